@@ -1,0 +1,136 @@
+"""`SafetyArguments`: the fields `safe_trainers` adds to every TRL trainer config.
+
+They are mixed into `RewardConfig`, `DPOConfig`, `KTOConfig` and `GRPOConfig` (see `configs.py`), so they are set like
+any other config field, in Python, in a YAML `--config` file, or as CLI flags through TRL's parser. A plain TRL config
+has none of these fields; `SafetyArguments.from_config` then returns the defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+
+SafetyMode = Literal["fix", "warn", "strict", "off"]
+SAFETY_MODES: tuple[str, ...] = ("fix", "warn", "strict", "off")
+
+
+@dataclass
+class SafetyArguments:
+    r"""
+    Fields shared by every `safe_trainers` config.
+
+    > Parameters that control the safety rules
+
+    safety_mode (`str`, *optional*, defaults to `"fix"`):
+        `"fix"` applies each rule's fix and reports it; `"warn"` reports and changes nothing; `"strict"` raises one
+        [`SafetyError`] listing every finding; `"off"` runs no rule. Findings that would make training fail or produce
+        NaN (`blocked`) raise in every mode but `"off"`.
+    safety_disable_rules (`list[str]`, *optional*, defaults to `[]`):
+        Rule ids to skip, e.g. `["precision.bf16_over_fp16"]`. An unknown id is an error that lists the valid ids.
+
+    > Parameters that control the NaN guard
+
+    nan_guard (`bool`, *optional*, defaults to `True`):
+        Check every optimizer step for a non-finite loss or gradient norm, skip such updates on all ranks, and roll
+        back to the last good state when the weights or optimizer state are damaged.
+    nan_snapshot_steps (`int`, *optional*, defaults to `10`):
+        Keep a copy of the last good training state (in host memory) every this many optimizer steps.
+    nan_max_rollbacks (`int`, *optional*, defaults to `3`):
+        After this many rollbacks, save the last good state as a checkpoint and raise [`TrainingDivergedError`].
+    nan_max_consecutive_skips (`int`, *optional*, defaults to `3`):
+        This many skipped steps in a row trigger a rollback.
+    nan_lr_backoff (`float`, *optional*, defaults to `0.5`):
+        Multiply the learning rate by this factor at each rollback (`1.0` keeps it).
+    nan_spike_factor (`float`, *optional*, defaults to `0.0`):
+        Treat a finite loss above `nan_spike_factor` times the running mean of recent losses as a fault, confirmed
+        when it happens on `nan_spike_patience` consecutive steps. `0` disables spike detection.
+    nan_spike_patience (`int`, *optional*, defaults to `2`):
+        Consecutive spiking steps needed to confirm a loss spike.
+    """
+
+    safety_mode: SafetyMode = field(
+        default="fix",
+        metadata={
+            "help": "How the safety rules act: `fix` applies fixes and reports them, `warn` only reports, `strict` "
+            "raises one SafetyError listing every finding, `off` runs no rule.",
+            "choices": list(SAFETY_MODES),
+        },
+    )
+    safety_disable_rules: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Rule ids to skip, e.g. `precision.bf16_over_fp16`. Run `safe-trainers rules` for the list."},
+    )
+    nan_guard: bool = field(
+        default=True,
+        metadata={"help": "Skip non-finite updates and roll back to the last good state when training is damaged."},
+    )
+    nan_snapshot_steps: int = field(
+        default=10,
+        metadata={"help": "Keep the last good training state in host memory every this many optimizer steps."},
+    )
+    nan_max_rollbacks: int = field(
+        default=3,
+        metadata={"help": "Rollbacks allowed before saving the last good state and stopping with an error."},
+    )
+    nan_max_consecutive_skips: int = field(
+        default=3, metadata={"help": "This many skipped steps in a row trigger a rollback."}
+    )
+    nan_lr_backoff: float = field(
+        default=0.5, metadata={"help": "Multiply the learning rate by this factor at each rollback (1.0 keeps it)."}
+    )
+    nan_spike_factor: float = field(
+        default=0.0,
+        metadata={"help": "Loss above this multiple of the recent mean counts as a spike (0 disables detection)."},
+    )
+    nan_spike_patience: int = field(
+        default=2, metadata={"help": "Consecutive spiking steps needed to confirm a loss spike."}
+    )
+
+    def __post_init__(self):
+        validate_safety_arguments(self)
+        parent_post_init = getattr(super(), "__post_init__", None)
+        if parent_post_init is not None:
+            parent_post_init()
+
+    @classmethod
+    def from_config(cls, config: Any) -> "SafetyArguments":
+        """Read the safety fields from any config object; missing fields (a plain TRL config) take the defaults."""
+        values = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}
+        settings = object.__new__(cls)
+        for f in fields(cls):
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            setattr(settings, f.name, values.get(f.name, default))
+        validate_safety_arguments(settings)
+        return settings
+
+
+def validate_safety_arguments(settings: Any) -> None:
+    """Raise a `ValueError` naming the field, the value received and the fix for any invalid safety field."""
+    from .rules import rule_ids  # late import: rules import nothing from here, but keep config import light
+
+    if settings.safety_mode not in SAFETY_MODES:
+        raise ValueError(
+            f"`safety_mode` must be one of {list(SAFETY_MODES)}, got {settings.safety_mode!r}. Use `\"fix\"` (the "
+            "default) to apply and report fixes, or `\"off\"` to disable every rule."
+        )
+    disabled = settings.safety_disable_rules
+    if isinstance(disabled, str):
+        disabled = settings.safety_disable_rules = [r for r in disabled.replace(",", " ").split() if r]
+    unknown = sorted(set(disabled) - set(rule_ids()))
+    if unknown:
+        raise ValueError(
+            f"`safety_disable_rules` contains unknown rule ids {unknown}. Valid ids are: {', '.join(rule_ids())}."
+        )
+    checks = [
+        ("nan_snapshot_steps", settings.nan_snapshot_steps >= 1, "an integer >= 1"),
+        ("nan_max_rollbacks", settings.nan_max_rollbacks >= 0, "an integer >= 0"),
+        ("nan_max_consecutive_skips", settings.nan_max_consecutive_skips >= 1, "an integer >= 1"),
+        ("nan_lr_backoff", math.isfinite(settings.nan_lr_backoff) and 0 < settings.nan_lr_backoff <= 1, "in (0, 1]"),
+        ("nan_spike_factor", settings.nan_spike_factor == 0 or settings.nan_spike_factor > 1, "0 (off) or > 1"),
+        ("nan_spike_patience", settings.nan_spike_patience >= 1, "an integer >= 1"),
+    ]
+    for name, ok, expected in checks:
+        if not ok:
+            raise ValueError(f"`{name}` must be {expected}, got {getattr(settings, name)!r}.")

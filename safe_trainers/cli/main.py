@@ -1,0 +1,37 @@
+"""`safe-trainers`: `check` a config, list the `rules`, run the `demo`, or sanitize an `openrlhf` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import check, demo, openrlhf, rules
+
+    parser = argparse.ArgumentParser(
+        prog="safe-trainers",
+        description="Safety rules and NaN guard for TRL trainers. See `safe-trainers <command> --help`.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (check, rules, demo, openrlhf):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # `openrlhf` forwards everything after `--` untouched, so argparse must not see it.
+    tail: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, tail = argv[:cut], argv[cut + 1 :]
+    ns = parser.parse_args(argv)
+    ns.passthrough = tail
+    return int(ns.run(ns) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Exceptions raised by `safe_trainers`.
+
+Each keeps the exception type that TRL and transformers raise for the same class of problem, so code that already
+catches those keeps working: a configuration problem is a `ValueError`, a failed run is a `RuntimeError`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    from .report import Finding
+
+
+class SafetyError(ValueError):
+    """A configuration that a safety rule refuses, with every refused finding listed in one message.
+
+    Attributes:
+        findings (`tuple[Finding, ...]`):
+            The findings that blocked construction, in rule order.
+    """
+
+    def __init__(self, findings: "tuple[Finding, ...] | list[Finding]", header: str | None = None):
+        self.findings = tuple(findings)
+        count = len(self.findings)
+        header = header or f"safe_trainers refused this configuration ({count} problem{'s' if count != 1 else ''}):"
+        lines = [header] + [f"  [{f.rule_id}] {f.message}" for f in self.findings]
+        lines.append(
+            "Fix the settings above, or skip a rule with `safety_disable_rules=[<rule id>]` "
+            '(CLI: `--safety_disable_rules <rule id>`), or turn all rules off with `safety_mode="off"`.'
+        )
+        super().__init__("\n".join(lines))
+
+
+class TrainingDivergedError(RuntimeError):
+    """Training kept producing non-finite values after the allowed number of rollbacks.
+
+    Attributes:
+        checkpoint_dir (`str | None`):
+            The checkpoint written from the last good state, or `None` if none could be written.
+        report_path (`str | None`):
+            The `nan_events.jsonl` file that lists every event of the run.
+    """
+
+    def __init__(self, message: str, checkpoint_dir: str | None = None, report_path: str | None = None):
+        self.checkpoint_dir = checkpoint_dir
+        self.report_path = report_path
+        super().__init__(message)

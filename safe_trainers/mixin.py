@@ -1,0 +1,108 @@
+"""`SafeTrainerMixin`: runs the safety rules around a TRL trainer's constructor and attaches the NaN guard."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, ClassVar
+
+from .apply import apply_to_setup, apply_to_trainer
+from .arguments import SafetyArguments
+from .engine import new_report, run_stage, select_rules
+from .report import SafetyReport
+from .rules import BuiltTrainer
+from .setup import Hardware, TrainerSetup, load_deepspeed_config, read_model_config, resolve_model_class
+
+
+logger = logging.getLogger("safe_trainers")
+
+
+class SafeTrainerMixin:
+    """Mixed in before a TRL trainer class. Same constructor signature as the TRL class; adds `safety_report`.
+
+    Construction runs in three steps:
+    1. the rules that only need the config and the model's `config.json` run first, before any weight is loaded; a
+       blocked finding raises [`SafetyError`] here;
+    2. the TRL constructor runs with the fixed config, PEFT config and model;
+    3. the rules that need the loaded model or the tokenized dataset run on the built trainer.
+    The report is logged once on the main process and written to `output_dir/safety_report.json`.
+    """
+
+    _safety_kind: ClassVar[str]
+    _safety_config_class: ClassVar[type]
+    _trl_class: ClassVar[type]
+    safety_report: SafetyReport
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        bound = inspect.signature(self._trl_class.__init__).bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        setup = self._build_setup(arguments)
+        settings = SafetyArguments.from_config(setup.args)
+        enabled, disabled = select_rules(self._safety_kind, settings)
+        report = new_report(self._safety_kind, settings, disabled)
+        if settings.safety_mode != "off":
+            setup = run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
+        arguments["args"] = setup.args
+        if "peft_config" in arguments or setup.peft_config is not None:
+            arguments["peft_config"] = setup.peft_config
+
+        super().__init__(**arguments)
+
+        self.safety_settings = settings
+        self.safety_report = report
+        if settings.safety_mode != "off":
+            run_stage(self, enabled, settings, report, check=_check_built, apply=apply_to_trainer)
+        self._publish_safety_report()
+
+    def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
+        model = arguments.get("model")
+        args = arguments.get("args")
+        if args is None:
+            # Mirror TRL: the default config is named after the model.
+            if isinstance(model, str):
+                name = model
+            else:
+                from trl.trainer.utils import get_config_model_id
+
+                name = get_config_model_id(model.config)
+            suffix = {"reward": "Reward"}.get(self._safety_kind, self._safety_kind.upper())
+            args = self._safety_config_class(f"{name.split('/')[-1]}-{suffix}")
+        model_config = read_model_config(
+            model,
+            trust_remote_code=getattr(args, "trust_remote_code", False),
+            revision=(getattr(args, "model_init_kwargs", None) or {}).get("revision"),
+        )
+        return TrainerSetup(
+            kind=self._safety_kind,
+            args=args,
+            model=model,
+            model_config=model_config,
+            model_class=resolve_model_class(self._safety_kind, model, model_config),
+            ref_model=arguments.get("ref_model"),
+            peft_config=arguments.get("peft_config"),
+            train_dataset=arguments.get("train_dataset"),
+            deepspeed_config=load_deepspeed_config(getattr(args, "deepspeed", None)),
+            hardware=Hardware.detect(),
+        )
+
+    def _publish_safety_report(self) -> None:
+        if not self.is_world_process_zero():
+            return
+        text = self.safety_report.render()
+        if any(f.action in ("fixed", "warned") for f in self.safety_report.findings):
+            logger.warning(text)
+        else:
+            logger.info(text)
+        self.safety_report.write_json(self.args.output_dir)
+
+
+def _check_built(rule, trainer) -> Any:
+    built = BuiltTrainer(
+        kind=trainer._safety_kind,
+        args=trainer.args,
+        model=trainer.model,
+        train_dataset=trainer.train_dataset,
+        peft_config=getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default"),
+    )
+    return rule.check_built(built)

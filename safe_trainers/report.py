@@ -1,0 +1,154 @@
+"""What the safety rules found and changed: `Change`, `Finding` and `SafetyReport`.
+
+A finding is data. Rules return findings and never act; the trainer applies the changes a finding carries and the
+report records them, so the same rule can lint a YAML file, configure a trainer or rewrite a launcher command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+Action = Literal["fixed", "warned", "blocked", "skipped"]
+
+
+class _Removed:
+    """Sentinel for a setting that a change deletes (e.g. a renamed `model_init_kwargs` key)."""
+
+    def __repr__(self) -> str:
+        return "<removed>"
+
+
+REMOVED: Any = _Removed()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One setting changed by a rule.
+
+    Args:
+        path (`str`):
+            Where the setting lives, e.g. `"args.bf16"`, `"args.model_init_kwargs.dtype"`, `"peft_config.task_type"`,
+            `"model.attn_implementation"`, `"argv.--vanilla_loss"`.
+        old (`Any`):
+            The value before the change (`REMOVED` if the setting did not exist).
+        new (`Any`):
+            The value after the change (`REMOVED` if the setting is deleted).
+    """
+
+    path: str
+    old: Any
+    new: Any
+
+    def render(self) -> str:
+        return f"{self.path}: {_short(self.old)} -> {_short(self.new)}"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one rule found.
+
+    Args:
+        rule_id (`str`):
+            The stable id of the rule, e.g. `"precision.bf16_over_fp16"`.
+        action (`str`):
+            `"fixed"` (the changes are applied), `"warned"` (reported, nothing changed), `"blocked"` (construction
+            fails with a [`SafetyError`]) or `"skipped"` (the rule was disabled by the user).
+        message (`str`):
+            What was found, why it matters, and the fix, in TRL's style.
+        changes (`tuple[Change, ...]`):
+            The settings the rule changes when `action="fixed"`.
+        data (`dict`):
+            Extra machine-readable detail for the code that applies the changes (e.g. dataset rows to drop).
+    """
+
+    rule_id: str
+    action: Action
+    message: str
+    changes: tuple[Change, ...] = ()
+    data: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rule_id": self.rule_id,
+            "action": self.action,
+            "message": self.message,
+            "changes": [{"path": c.path, "old": _jsonable(c.old), "new": _jsonable(c.new)} for c in self.changes],
+        }
+
+
+@dataclass
+class SafetyReport:
+    """The findings of one construction (or one `safe-trainers check`), in rule order.
+
+    Args:
+        trainer (`str`):
+            The trainer kind: `"reward"`, `"dpo"`, `"kto"`, `"grpo"` or `"openrlhf"`.
+        mode (`str`):
+            The `safety_mode` the rules ran under.
+        findings (`list[Finding]`):
+            Every finding, including `"skipped"` entries for rules the user disabled.
+    """
+
+    trainer: str
+    mode: str
+    findings: list[Finding] = field(default_factory=list)
+
+    def by_rule(self, rule_id: str) -> list[Finding]:
+        return [f for f in self.findings if f.rule_id == rule_id]
+
+    @property
+    def changes(self) -> list[Change]:
+        return [c for f in self.findings if f.action == "fixed" for c in f.changes]
+
+    def render(self) -> str:
+        """The one summary shown to the user (main process only)."""
+        counts = {a: sum(f.action == a for f in self.findings) for a in ("fixed", "warned", "blocked", "skipped")}
+        if self.mode == "off":
+            return f"safe_trainers ({self.trainer}): safety rules are off (`safety_mode=\"off\"`)."
+        if not any(counts.values()):
+            return f"safe_trainers ({self.trainer}): all safety rules passed, nothing changed."
+        parts = [f"{n} {name}" for name, n in counts.items() if n]
+        lines = [f"safe_trainers ({self.trainer}, safety_mode={self.mode!r}): " + ", ".join(parts) + "."]
+        width = max(len(f.rule_id) for f in self.findings)
+        for f in self.findings:
+            lines.append(f"  [{f.action}] {f.rule_id:<{width}}  {f.message}")
+            lines.extend(f"  {'':<{len(f.action) + 2}} {'':<{width}}    {c.render()}" for c in f.changes)
+        lines.append("  Disable a rule with `safety_disable_rules=[<rule id>]` (CLI: `--safety_disable_rules <id>`).")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trainer": self.trainer, "mode": self.mode, "findings": [f.to_dict() for f in self.findings]}
+
+    def write_json(self, output_dir: str, filename: str = "safety_report.json") -> str:
+        """Write the report as JSON in `output_dir` (created if missing) and return the file path."""
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, filename)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        os.replace(tmp, path)
+        return path
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _jsonable(value: Any) -> Any:
+    if value is REMOVED:
+        return "<removed>"
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+__all__ = ["Action", "Change", "Finding", "REMOVED", "SafetyReport"]

@@ -1,0 +1,45 @@
+"""The safety rules, in the order they run.
+
+Order matters where two rules touch one setting: the reward LoRA rule picks `dtype="auto"` before the precision rule
+would turn the same fp16 request into bf16. Ids are stable: never rename one, deprecate it instead.
+"""
+
+from __future__ import annotations
+
+from .attention import Gemma2NoFlash
+from .base import ALL_TRAINERS, BuiltTrainer, Rule
+from .data import NoLossTokens
+from .grpo import GroupSize
+from .logs import ShowNonFinite
+from .optim import GradClip
+from .peft import RewardSeqClsLora
+from .precision import Fp32TrainableParams, PreferBf16
+from .preference import BetaPositive, KtoBatchAndLabels
+
+
+DEFAULT_RULES: tuple[Rule, ...] = (
+    RewardSeqClsLora(),
+    PreferBf16(),
+    Gemma2NoFlash(),
+    GradClip(),
+    ShowNonFinite(),
+    GroupSize(),
+    KtoBatchAndLabels(),
+    BetaPositive(),
+    NoLossTokens(),
+    Fp32TrainableParams(),
+)
+
+
+def rule_ids() -> list[str]:
+    return [rule.id for rule in DEFAULT_RULES]
+
+
+def get_rule(rule_id: str) -> Rule:
+    for rule in DEFAULT_RULES:
+        if rule.id == rule_id:
+            return rule
+    raise KeyError(f"Unknown rule id {rule_id!r}. Valid ids are: {', '.join(rule_ids())}.")
+
+
+__all__ = ["ALL_TRAINERS", "DEFAULT_RULES", "BuiltTrainer", "Rule", "get_rule", "rule_ids"]

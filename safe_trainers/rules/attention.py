@@ -1,0 +1,65 @@
+"""Attention rule: no flash attention (and no sdpa without soft-cap support) for soft-capped attention logits."""
+
+from __future__ import annotations
+
+from ..report import Change, Finding
+from .base import Rule
+
+
+def is_flash(impl: object) -> bool:
+    """Whether an `attn_implementation` value selects a flash-attention kernel (local or from the Hub)."""
+    return isinstance(impl, str) and "flash" in impl.lower()
+
+
+def softcap_safe_implementation(model_class: type | None) -> str:
+    """The implementation to use for a soft-capped model: sdpa only where the installed transformers accepts sdpa
+    for this model class (it has no soft-capping and transformers 5 refuses it for Gemma-2), eager otherwise."""
+    return "sdpa" if model_class is not None and getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+class Gemma2NoFlash(Rule):
+    id = "attention.gemma2_no_flash"
+    summary = "Models with soft-capped attention logits (Gemma-2) train with eager (or sdpa where supported), not flash."
+    rationale = "https://github.com/OpenRLHF/OpenRLHF/issues/528"
+
+    def check(self, setup) -> Finding | None:
+        text_config = setup.text_config
+        softcap = getattr(text_config, "attn_logit_softcapping", None) if text_config is not None else None
+        if softcap is None:
+            return None
+        target = softcap_safe_implementation(setup.model_class)
+        changes = []
+        if setup.model_is_path:
+            requested = setup.model_init_kwargs.get("attn_implementation")
+            if requested is not None and requested != target and (is_flash(requested) or requested == "sdpa"):
+                changes.append(Change("args.model_init_kwargs.attn_implementation", requested, target))
+        else:
+            current = getattr(setup.model.config, "_attn_implementation", None)
+            if current != target and (is_flash(current) or current == "sdpa"):
+                changes.append(Change("model.attn_implementation", current, target))
+        ref = setup.ref_model
+        if ref is not None and not isinstance(ref, str):
+            current = getattr(ref.config, "_attn_implementation", None)
+            if current != target and (is_flash(current) or current == "sdpa"):
+                changes.append(Change("ref_model.attn_implementation", current, target))
+        if not changes:
+            return None
+        requested = changes[0].old
+        reason = (
+            "flash-attn builds before 2.6.3 ignore the soft-cap in the backward pass (NaN gradients)"
+            if is_flash(requested)
+            else "sdpa cannot soft-cap"
+        )
+        why_target = (
+            "the installed transformers accepts sdpa for this model"
+            if target == "sdpa"
+            else "the installed transformers refuses sdpa for this model"
+        )
+        return self.fixed(
+            f"`attn_implementation={requested!r}` replaced by `{target!r}`: the model soft-caps attention logits "
+            f"(`attn_logit_softcapping={softcap}`) and {reason}; `{target}` since {why_target}.",
+            *changes,
+        )
+
+
+

@@ -1,0 +1,69 @@
+"""The `Rule` contract: stable id, what it applies to, and pure checks that return a `Finding` or `None`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..report import Change, Finding
+
+
+ALL_TRAINERS = frozenset({"reward", "dpo", "kto", "grpo"})
+
+
+@dataclass(frozen=True)
+class BuiltTrainer:
+    """Read-only view of a constructed trainer, for the rules that need the loaded model or the tokenized data.
+
+    Args:
+        kind (`str`): the trainer kind.
+        args (`TrainingArguments`): the trainer's config.
+        model (`PreTrainedModel | PeftModel`): the model being trained, after PEFT wrapping.
+        train_dataset (`Dataset | IterableDataset | None`): the training dataset after TRL's tokenization.
+        peft_config (`PeftConfig | None`): the PEFT config the trainer used.
+    """
+
+    kind: str
+    args: Any
+    model: Any
+    train_dataset: Any = None
+    peft_config: Any = None
+
+
+class Rule:
+    """A named safety rule.
+
+    Subclasses set the class attributes and override `check` (runs on a [`TrainerSetup`] before the model is loaded),
+    `check_built` (runs on a [`BuiltTrainer`] after construction), or both. Checks are pure: they read and return a
+    [`Finding`] (or `None`); the trainer applies the changes.
+
+    Attributes:
+        id (`str`): stable id used in reports and in `safety_disable_rules`. Never renamed once released.
+        summary (`str`): one line for the README table and `safe-trainers rules`.
+        trainers (`frozenset[str]`): trainer kinds the rule applies to.
+        rationale (`str`): the upstream issue or document that justifies the rule.
+    """
+
+    id: ClassVar[str]
+    summary: ClassVar[str]
+    trainers: ClassVar[frozenset[str]] = ALL_TRAINERS
+    rationale: ClassVar[str] = ""
+
+    def check(self, setup: Any) -> Finding | None:
+        return None
+
+    def check_built(self, built: BuiltTrainer) -> Finding | None:
+        return None
+
+    # Helpers so that rules read like the reports they produce.
+    def fixed(self, message: str, *changes: Change, **data: Any) -> Finding:
+        return Finding(self.id, "fixed", message, tuple(changes), data)
+
+    def warned(self, message: str, **data: Any) -> Finding:
+        return Finding(self.id, "warned", message, (), data)
+
+    def blocked(self, message: str, **data: Any) -> Finding:
+        return Finding(self.id, "blocked", message, (), data)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r})"

@@ -1,0 +1,85 @@
+"""Data rule: drop examples left with no loss token after tokenization and truncation (a mean over nothing is NaN)."""
+
+from __future__ import annotations
+
+from ..report import Change, Finding
+from .base import BuiltTrainer, Rule
+
+
+def kept_completion_tokens(
+    prompt_len: int, completion_len: int, max_length: int | None, truncation_mode: str = "keep_start"
+) -> int:
+    """How many completion tokens survive the collator's truncation of `prompt + completion` to `max_length`."""
+    if max_length is None:
+        return completion_len
+    if truncation_mode == "keep_end":
+        return min(completion_len, max_length)
+    return max(0, min(prompt_len + completion_len, max_length) - prompt_len)
+
+
+def rows_without_loss_tokens(kind: str, columns: dict[str, list[int]], max_length: int | None, truncation_mode: str) -> list[int]:
+    """Indices of the rows whose loss would be computed over zero tokens.
+
+    Args:
+        kind (`str`): `"reward"`, `"dpo"` or `"kto"`.
+        columns (`dict[str, list[int]]`): token counts per row for each tokenized column (`prompt_ids`, ...).
+        max_length (`int | None`): the trainer's `max_length`.
+        truncation_mode (`str`): DPO's `truncation_mode` (KTO always keeps the start).
+    """
+    if kind == "reward":
+        return [i for i, (c, r) in enumerate(zip(columns["chosen_ids"], columns["rejected_ids"])) if c == 0 or r == 0]
+    prompts = columns["prompt_ids"]
+    sides = ["chosen_ids", "rejected_ids"] if kind == "dpo" else ["completion_ids"]
+    return [
+        i
+        for i, p in enumerate(prompts)
+        if any(kept_completion_tokens(p, columns[side][i], max_length, truncation_mode) == 0 for side in sides)
+    ]
+
+
+TOKENIZED_COLUMNS = {
+    "reward": ("chosen_ids", "rejected_ids"),
+    "dpo": ("prompt_ids", "chosen_ids", "rejected_ids"),
+    "kto": ("prompt_ids", "completion_ids"),
+}
+
+
+def token_counts(dataset, names: tuple[str, ...]) -> dict[str, list[int]] | None:
+    """Per-row lengths of the list columns `names`, computed in Arrow without decoding rows; `None` if unavailable."""
+    import pyarrow.compute as pc
+
+    if not hasattr(dataset, "with_format") or not all(n in (dataset.column_names or []) for n in names):
+        return None
+    table = dataset.with_format("arrow")[:]
+    return {n: pc.fill_null(pc.list_value_length(table.column(n)), 0).to_pylist() for n in names}
+
+
+class NoLossTokens(Rule):
+    id = "data.no_loss_tokens"
+    summary = "Examples with zero loss tokens after tokenization/truncation are dropped (counted); none left is an error."
+    trainers = frozenset({"reward", "dpo", "kto"})
+    rationale = "https://github.com/OpenRLHF/OpenRLHF/commit/0fdee11b"
+
+    def check_built(self, built: BuiltTrainer) -> Finding | None:
+        counts = token_counts(built.train_dataset, TOKENIZED_COLUMNS[built.kind])
+        if counts is None:
+            return None
+        max_length = getattr(built.args, "max_length", None)
+        mode = getattr(built.args, "truncation_mode", "keep_start")
+        bad = rows_without_loss_tokens(built.kind, counts, max_length, mode)
+        if not bad:
+            return None
+        total = len(next(iter(counts.values())))
+        cause = f" with `max_length={max_length}`" if max_length is not None else ""
+        if len(bad) == total:
+            return self.blocked(
+                f"all {total} training examples have no completion token left after tokenization{cause} (the prompt "
+                "fills the sequence, or the completion is empty), so every loss is a mean over nothing (NaN). Raise "
+                "`max_length`, shorten the prompts, or check the completion column."
+            )
+        return self.fixed(
+            f"{len(bad)} of {total} training examples have no completion token left after tokenization{cause}; "
+            f"their loss would be NaN (a mean over zero tokens). Dropped them (first: row {bad[0]}).",
+            Change("train_dataset.num_rows", total, total - len(bad)),
+            drop_rows=bad,
+        )

@@ -1,0 +1,21 @@
+"""Logging rule: a NaN loss must show as NaN in the logs."""
+
+from __future__ import annotations
+
+from ..report import Change, Finding
+from .base import Rule
+
+
+class ShowNonFinite(Rule):
+    id = "logging.show_nonfinite"
+    summary = "`logging_nan_inf_filter` is turned off so a NaN loss is logged as NaN instead of being hidden."
+    rationale = "https://github.com/huggingface/trl/issues/6702"
+
+    def check(self, setup) -> Finding | None:
+        if not getattr(setup.args, "logging_nan_inf_filter", False):
+            return None
+        return self.fixed(
+            "`logging_nan_inf_filter=True` replaces a NaN or Inf loss by the recent average (often 0.0) in the logs, "
+            "hiding a diverged run. NaN losses are now logged as NaN.",
+            Change("args.logging_nan_inf_filter", True, False),
+        )

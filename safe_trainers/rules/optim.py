@@ -1,0 +1,54 @@
+"""Optimisation rules: gradient clipping on and finite, and agreeing with the DeepSpeed config."""
+
+from __future__ import annotations
+
+import math
+
+from ..report import REMOVED, Change, Finding
+from .base import Rule
+
+
+DEFAULT_MAX_GRAD_NORM = 1.0
+SANE_GRAD_NORM = (0.01, 10.0)
+
+
+def clipping_disabled(value: object) -> bool:
+    """Whether a `max_grad_norm` value disables clipping or is not a usable number (None, <= 0, inf, NaN)."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True
+    return not math.isfinite(value) or value <= 0
+
+
+class GradClip(Rule):
+    id = "optim.grad_clip"
+    summary = "Disabled or non-finite clipping (`max_grad_norm` <= 0, None, inf, NaN) becomes 1.0; DeepSpeed agrees."
+    rationale = "https://github.com/huggingface/trl/issues/1356"
+
+    def check(self, setup) -> Finding | None:
+        args = setup.args
+        value = args.max_grad_norm
+        ds = setup.deepspeed_config or {}
+        ds_clip = ds.get("gradient_clipping", REMOVED)
+        target = DEFAULT_MAX_GRAD_NORM if clipping_disabled(value) else value
+        changes = []
+        if target != value:
+            changes.append(Change("args.max_grad_norm", value, target))
+        if ds and ds_clip != "auto" and ds_clip != target:
+            changes.append(Change("args.deepspeed.gradient_clipping", ds_clip, target))
+        if changes:
+            parts = []
+            if target != value:
+                parts.append(
+                    f"`max_grad_norm={value!r}` disables gradient clipping, so one bad batch can blow up the weights"
+                )
+            if ds and ds_clip != "auto" and ds_clip != target:
+                parts.append(f'DeepSpeed `"gradient_clipping": {ds_clip!r}` disagrees with `max_grad_norm`')
+            return self.fixed("; ".join(parts) + f". Clipping at {target}.", *changes)
+        low, high = SANE_GRAD_NORM
+        if not low <= value <= high:
+            return self.warned(
+                f"`max_grad_norm={value}` is outside the usual range [{low}, {high}]: "
+                + ("updates will barely move." if value < low else "clipping will almost never act.")
+                + " 1.0 is the common choice for preference and RL fine-tuning."
+            )
+        return None

@@ -1,0 +1,166 @@
+"""`TrainerSetup`: the read-only view of a trainer construction that the rules inspect.
+
+Everything a rule may look at is gathered here once, before any weight is loaded: the trainer kind, the config, the
+model (a path or an instance) and its `PretrainedConfig`, the PEFT config, the training dataset, the DeepSpeed config as
+a dict, and the facts about the hardware and the installed libraries. Rules read it and never modify it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+
+TrainerKind = Literal["reward", "dpo", "kto", "grpo"]
+TRAINER_KINDS: tuple[str, ...] = ("reward", "dpo", "kto", "grpo")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Facts about the machine and the installed libraries that rules depend on.
+
+    Args:
+        accelerator (`str`):
+            `"cuda"`, `"xpu"`, `"mps"` or `"cpu"`.
+        bf16_supported (`bool`):
+            Whether bf16 mixed precision can train here (Ampere+ GPU, or the CPU, whose autocast supports bf16).
+        flash_attn_version (`str | None`):
+            The installed `flash_attn` version, if any.
+    """
+
+    accelerator: str = "cpu"
+    bf16_supported: bool = True
+    flash_attn_version: str | None = None
+
+    @classmethod
+    def detect(cls) -> "Hardware":
+        if torch.cuda.is_available():
+            accelerator, bf16 = "cuda", torch.cuda.is_bf16_supported()
+        elif hasattr(torch, "xpu") and torch.xpu.is_available():
+            accelerator, bf16 = "xpu", True
+        elif torch.backends.mps.is_available():
+            accelerator, bf16 = "mps", True
+        else:
+            accelerator, bf16 = "cpu", True
+        return cls(accelerator=accelerator, bf16_supported=bf16, flash_attn_version=_version("flash_attn"))
+
+
+@dataclass(frozen=True)
+class TrainerSetup:
+    """What a trainer is about to be built from.
+
+    Args:
+        kind (`str`):
+            `"reward"`, `"dpo"`, `"kto"` or `"grpo"`.
+        args (`TrainingArguments`):
+            The trainer config (never `None`: a default is built as TRL would).
+        model (`str | PreTrainedModel`):
+            A path or hub id, or an instantiated model.
+        model_config (`PretrainedConfig | None`):
+            The model's config, read from `config.json` for a path (no weights are loaded); `None` if unreadable.
+        model_class (`type | None`):
+            The class transformers would instantiate for a path, or the instance's class.
+        ref_model (`PreTrainedModel | None`):
+            The reference model passed to DPO or KTO, if any.
+        peft_config (`PeftConfig | None`):
+            The PEFT config passed to the trainer, if any.
+        train_dataset (`Dataset | IterableDataset | None`):
+            The training dataset as passed (before TRL tokenizes it).
+        deepspeed_config (`dict | None`):
+            The DeepSpeed config, loaded from `args.deepspeed` when that is a path.
+        hardware ([`Hardware`]):
+            Facts about the machine.
+    """
+
+    kind: str
+    args: Any
+    model: Any = None
+    model_config: Any = None
+    model_class: type | None = None
+    ref_model: Any = None
+    peft_config: Any = None
+    train_dataset: Any = None
+    deepspeed_config: dict | None = None
+    hardware: Hardware = field(default_factory=Hardware)
+
+    @property
+    def model_init_kwargs(self) -> dict[str, Any]:
+        return dict(getattr(self.args, "model_init_kwargs", None) or {})
+
+    @property
+    def model_is_path(self) -> bool:
+        return isinstance(self.model, str)
+
+    @property
+    def text_config(self) -> Any:
+        if self.model_config is None:
+            return None
+        get = getattr(self.model_config, "get_text_config", None)
+        return get() if get is not None else self.model_config
+
+    @property
+    def model_types(self) -> set[str]:
+        """`model_type` of the model config and of its text sub-config (e.g. `{"gemma3", "gemma3_text"}`)."""
+        return {c.model_type for c in (self.model_config, self.text_config) if c is not None}
+
+    @property
+    def model_name(self) -> str:
+        if isinstance(self.model, str):
+            return self.model
+        name = getattr(getattr(self.model, "config", None), "_name_or_path", None)
+        return name or type(self.model).__name__
+
+
+def load_deepspeed_config(value: Any) -> dict | None:
+    """The DeepSpeed config as a dict, from a dict, a JSON file path or a JSON string; `None` if unset."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and os.path.isfile(value):
+        with open(value) as f:
+            return json.load(f)
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        return json.loads(value)
+    return None
+
+
+def read_model_config(model: Any, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    """The `PretrainedConfig` of a model path or instance, without loading any weight; `None` if it can't be read."""
+    if model is None:
+        return None
+    if not isinstance(model, str):
+        return getattr(model, "config", None)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_model_class(kind: str, model: Any, model_config: Any) -> type | None:
+    """The class a trainer of this kind instantiates for `model` (its own class for an instance)."""
+    if model is not None and not isinstance(model, str):
+        return type(model)
+    if model_config is None:
+        return None
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
+    try:
+        return auto._model_mapping[type(model_config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,141 @@
+"""Tiny models, a tokenizer and toy datasets, built locally with no network.
+
+Used by `safe-trainers demo`, by the launch scripts when no model or dataset is given, and by the tests. Models are
+real transformers architectures (2 layers, hidden size 32) saved with `save_pretrained`, so the trainers load them
+through the same `from_pretrained` path as a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Literal
+
+from datasets import Dataset
+
+
+Family = Literal["qwen2", "llama", "gemma2", "gemma3"]
+FAMILIES: tuple[str, ...] = ("qwen2", "llama", "gemma2", "gemma3")
+WORDS = (
+    "the a one two three four five six seven eight nine ten is was and or not good bad yes no cat dog sun moon "
+    "red blue green big small up down left right what how why who answer question add sum number"
+).split()
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
+
+
+def build_tokenizer():
+    """A word-level `PreTrainedTokenizerFast` over a small fixed vocabulary (`<pad>` is distinct from `<eos>`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(list(SPECIAL_TOKENS) + list(WORDS))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+    fast.chat_template = (
+        "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}answer {% endif %}"
+    )
+    return fast
+
+
+def model_config(family: str = "qwen2", vocab_size: int = len(SPECIAL_TOKENS) + len(WORDS), **overrides):
+    """A 2-layer, hidden-32 config of the given family (`qwen2`, `llama`, `gemma2`, `gemma3`)."""
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
+    if family not in classes:
+        raise ValueError(f"Unknown toy model family {family!r}; choose one of {list(classes)}.")
+    if family in ("gemma2", "gemma3"):
+        common.update(head_dim=8, sliding_window=64)
+    common.update(overrides)
+    return classes[family](**common)
+
+
+def build_model(family: str = "qwen2", task: Literal["causal_lm", "seq_cls"] = "causal_lm", seed: int = 0, **overrides):
+    """A randomly initialised tiny model of `family` (fp32) for causal LM or sequence classification (1 label)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = model_config(family, **overrides)
+    if task == "seq_cls":
+        config.num_labels = 1
+        return AutoModelForSequenceClassification.from_config(config)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def save_toy_model(path: str, family: str = "qwen2", task: Literal["causal_lm", "seq_cls"] = "causal_lm", **overrides) -> str:
+    """Build a tiny model and its tokenizer and `save_pretrained` both to `path`; return `path`."""
+    os.makedirs(path, exist_ok=True)
+    build_model(family, task, **overrides).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def preference_dataset(n: int = 32, seed: int = 0) -> Dataset:
+    """Standard-format preference data (`prompt`, `chosen`, `rejected`) for reward modelling and DPO."""
+    rng = random.Random(seed)
+    rows = [
+        {"prompt": _sentence(rng, 4), "chosen": " yes good " + _sentence(rng, 3), "rejected": " no bad " + _sentence(rng, 3)}
+        for _ in range(n)
+    ]
+    return Dataset.from_list(rows)
+
+
+def unpaired_dataset(n: int = 32, seed: int = 0) -> Dataset:
+    """Unpaired preference data (`prompt`, `completion`, `label`) for KTO, alternating desirable/undesirable."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        good = i % 2 == 0
+        completion = (" yes good " if good else " no bad ") + _sentence(rng, 3)
+        rows.append({"prompt": _sentence(rng, 4), "completion": completion, "label": good})
+    return Dataset.from_list(rows)
+
+
+def prompt_dataset(n: int = 16, seed: int = 0) -> Dataset:
+    """Prompt-only data (`prompt`) for GRPO."""
+    rng = random.Random(seed)
+    return Dataset.from_list([{"prompt": _sentence(rng, 4)} for _ in range(n)])
+
+
+def dataset_for(kind: str, n: int = 32, seed: int = 0) -> Dataset:
+    """The toy dataset in the format trainer `kind` expects."""
+    if kind in ("reward", "dpo"):
+        return preference_dataset(n, seed)
+    if kind == "kto":
+        return unpaired_dataset(n, seed)
+    if kind == "grpo":
+        return prompt_dataset(n, seed)
+    raise ValueError(f"Unknown trainer kind {kind!r}; choose one of reward, dpo, kto, grpo.")
+
+
+def count_words_reward(completions, **kwargs) -> list[float]:
+    """Toy GRPO reward: +1 per "good"/"yes" word, -1 per "bad"/"no" word in the completion."""
+    rewards = []
+    for completion in completions:
+        text = completion if isinstance(completion, str) else " ".join(m["content"] for m in completion)
+        words = text.split()
+        rewards.append(float(sum(w in ("good", "yes") for w in words) - sum(w in ("bad", "no") for w in words)))
+    return rewards
