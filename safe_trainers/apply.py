@@ -53,7 +53,15 @@ def replace_args(args: Any, changes: list[Change], deepspeed_config: dict | None
             fields["deepspeed"] = ds
         else:
             fields[name] = change.new
+    # A field that `__post_init__` derives from another must be reset, or the copy sees both as set by the user
+    # (GRPO: `steps_per_generation` is derived from `generation_batch_size`, and setting both is rejected).
+    for derived, source in _DERIVED_FIELDS.items():
+        if getattr(args, derived, None) is not None and getattr(args, source, None) is not None:
+            fields.setdefault(derived, None)
     return dataclasses.replace(args, **fields), ds
+
+
+_DERIVED_FIELDS = {"steps_per_generation": "generation_batch_size"}
 
 
 def apply_to_trainer(trainer: Any, finding: Finding) -> Any:

@@ -21,28 +21,40 @@ WORDS = (
     "red blue green big small up down left right what how why who answer question add sum number"
 ).split()
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
+VOCAB_SIZE = 384
 
 
 def build_tokenizer():
-    """A word-level `PreTrainedTokenizerFast` over a small fixed vocabulary (`<pad>` is distinct from `<eos>`)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on the toy vocabulary (`<pad>` is distinct from `<eos>`).
+
+    Byte-level BPE is what Qwen2, Llama-3 and most current checkpoints use, so the saved tokenizer reloads correctly
+    through `AutoTokenizer.from_pretrained` whatever tokenizer class transformers picks for the model family.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(list(SPECIAL_TOKENS) + list(WORDS))}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [" ".join(WORDS)] + [f" {word}" for word in WORDS] + list(WORDS)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
     )
     fast.chat_template = (
         "{% for message in messages %}{{ message['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}answer {% endif %}"
+        "{% if add_generation_prompt %}answer{% endif %}"
     )
     return fast
 
 
-def model_config(family: str = "qwen2", vocab_size: int = len(SPECIAL_TOKENS) + len(WORDS), **overrides):
+def model_config(family: str = "qwen2", vocab_size: int = VOCAB_SIZE, **overrides):
     """A 2-layer, hidden-32 config of the given family (`qwen2`, `llama`, `gemma2`, `gemma3`)."""
     from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen2Config
 

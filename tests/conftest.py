@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny models saved to disk (built locally, no network), toy datasets, quiet offline HF."""
+
+from __future__ import annotations
+
+import os
+
+
+# No Hub access in tests: every model and tokenizer is built locally and loaded from a directory.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from safe_trainers.toy import save_toy_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def toy_models(tmp_path_factory) -> dict[str, str]:
+    """Paths of tiny saved models: `{family}` causal LMs and `{family}-rm` sequence classifiers (1 label)."""
+    root = tmp_path_factory.mktemp("toy-models")
+    paths = {}
+    for family in ("qwen2", "llama", "gemma2", "gemma3"):
+        paths[family] = save_toy_model(str(root / family), family)
+    for family in ("qwen2", "gemma2"):
+        paths[f"{family}-rm"] = save_toy_model(str(root / f"{family}-rm"), family, task="seq_cls")
+    return paths
+
+
+def cpu_args(**overrides) -> dict:
+    """Config keyword arguments for a short, quiet CPU run (merge with the trainer-specific ones)."""
+    base = dict(
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+    )
+    base.update(overrides)
+    return base
