@@ -1,0 +1,114 @@
+"""Fault injection for testing the NaN guard: NaN/Inf in activations (hence the loss), gradients and weights.
+
+`FaultInjector` is a `TrainerCallback`. Each fault fires at one optimizer step, optionally on one rank only:
+
+```python
+from safe_trainers.faults import Fault, FaultInjector
+
+trainer.add_callback(FaultInjector([Fault(step=6, kind="loss"), Fault(step=9, kind="grad", rank=1)]))
+```
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from transformers import TrainerCallback
+
+
+FaultKind = Literal["loss", "grad", "weight"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault.
+
+    Args:
+        step (`int`): the optimizer step (1-based, the value `global_step` takes after it) the fault hits.
+        kind (`str`): `"loss"` (the last decoder layer outputs NaN on the training forward, so the loss is NaN),
+            `"grad"` (one trainable parameter's gradient becomes `value`), `"weight"` (one trainable weight is
+            overwritten with `value` before the step).
+        rank (`int | None`): the only rank that injects (`None`: every rank).
+        value (`float`): the value injected (NaN by default; `float("inf")` for Inf).
+        repeat (`int`): how many consecutive steps, starting at `step`, the fault hits. A fault fires `repeat` times
+            in all: when a rollback makes the trainer pass the same step number again, it does not fire again.
+    """
+
+    step: int
+    kind: FaultKind
+    rank: int | None = None
+    value: float = float("nan")
+    repeat: int = 1
+
+    def hits(self, step: int, rank: int) -> bool:
+        return self.step <= step < self.step + self.repeat and (self.rank is None or self.rank == rank)
+
+
+class FaultInjector(TrainerCallback):
+    """Injects the given faults during training (see module docstring). `injected` lists `(step, kind)` pairs."""
+
+    def __init__(self, faults: list[Fault]):
+        self.faults = list(faults)
+        self.injected: list[tuple[int, str]] = []
+        self._fired = [0] * len(self.faults)
+        self._active: dict[str, float] = {}
+        self._handles: list[Any] = []
+        self._step = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        layer = last_decoder_layer(model)
+        param = first_trainable(model)
+        self._handles = [layer.register_forward_hook(self._poison_activation), param.register_hook(self._poison_grad)]
+        self._weight = param
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        step = self._step = state.global_step + 1
+        self._active = {}
+        for i, fault in enumerate(self.faults):
+            if fault.hits(step, args.process_index) and self._fired[i] < fault.repeat:
+                self._fired[i] += 1
+                self._active[fault.kind] = fault.value
+        if "weight" in self._active:
+            with torch.no_grad():
+                target = getattr(self._weight, "ds_tensor", None)
+                target = target if target is not None and target.numel() > 0 else self._weight
+                target.view(-1)[0] = self._active["weight"]
+            self.injected.append((step, "weight"))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for handle in self._handles:
+            handle.remove()
+
+    def _poison_activation(self, module, inputs, output):
+        if "loss" not in self._active or not torch.is_grad_enabled():
+            return None
+        self.injected.append((self._step, "loss"))
+        if torch.is_tensor(output):
+            return output * self._active["loss"]
+        return (output[0] * self._active["loss"], *output[1:])
+
+    def _poison_grad(self, grad):
+        if "grad" not in self._active:
+            return None
+        self.injected.append((self._step, "grad"))
+        grad = grad.clone()
+        grad.view(-1)[0] = self._active["grad"]
+        return grad
+
+
+def last_decoder_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """The last `...layers.N` module of a transformers model (works through PEFT and DeepSpeed wrappers)."""
+    layers = [(name, module) for name, module in model.named_modules() if re.search(r"layers\.\d+$", name)]
+    if not layers:
+        raise ValueError(f"No decoder layer (`...layers.N`) found in {type(model).__name__}.")
+    return layers[-1][1]
+
+
+def first_trainable(model: torch.nn.Module) -> torch.nn.Parameter:
+    for param in model.parameters():
+        if param.requires_grad:
+            return param
+    raise ValueError(f"{type(model).__name__} has no trainable parameter.")

@@ -1,0 +1,31 @@
+"""`NanGuardCallback`: connects a [`NanGuard`] to the trainer's loop events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .guard import NanGuard
+
+
+class NanGuardCallback(TrainerCallback):
+    """Takes the first snapshot at train start, hands the skip flag to the optimizer before each step, and inspects
+    the recent steps (skip, roll back, snapshot) at the end of the steps where the trainer logs, saves or evaluates.
+    """
+
+    def __init__(self, guard: NanGuard):
+        self.guard = guard
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.guard.begin()
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs: Any):
+        self.guard.apply_skip(optimizer if optimizer is not None else self.guard.trainer.optimizer)
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        if self.guard.inspection_due(control):
+            self.guard.inspect(control)
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.guard.inspect(control)

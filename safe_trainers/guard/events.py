@@ -1,0 +1,83 @@
+"""The NaN guard's event log: one JSON object per line in `output_dir/nan_events.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+EventKind = Literal["skip", "rollback", "abort", "reward", "save_refused"]
+EVENTS_FILE = "nan_events.jsonl"
+
+
+@dataclass
+class NanEvent:
+    """One event.
+
+    Args:
+        step (`int`): the optimizer step the event is about.
+        kind (`str`): `"skip"` (an update was not applied), `"rollback"` (the last good state was restored),
+            `"abort"` (training stopped with [`TrainingDivergedError`]), `"reward"` (GRPO rewards were non-finite),
+            `"save_refused"` (a checkpoint was not written because the state was non-finite).
+        nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
+            `"rewards"`, `"advantages"`.
+        ranks (`list[int]`): the ranks where the loss was non-finite (all ranks see a non-finite gradient norm).
+        detail (`dict`): kind-specific fields (`restored_step`, `skipped_batches`, `learning_rate`,
+            `first_nonfinite_module`, `reason`, ...).
+    """
+
+    step: int
+    kind: EventKind
+    nonfinite: list[str] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"step": self.step, "kind": self.kind, "nonfinite": self.nonfinite, "ranks": self.ranks}
+        out.update(self.detail)
+        out["time"] = round(time.time(), 3)
+        return _finite_json(out)
+
+
+class EventLog:
+    """Keeps every event in memory and appends it to `nan_events.jsonl` (main process only)."""
+
+    def __init__(self, output_dir: str, write: bool):
+        self.path = os.path.join(output_dir, EVENTS_FILE)
+        self.write = write
+        self.events: list[NanEvent] = []
+
+    def add(self, event: NanEvent) -> NanEvent:
+        self.events.append(event)
+        if self.write:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(event.to_dict()) + "\n")
+        return event
+
+    def count(self, kind: str) -> int:
+        return sum(e.kind == kind for e in self.events)
+
+
+def read_events(output_dir: str) -> list[dict[str, Any]]:
+    """The events recorded in `output_dir/nan_events.jsonl` (empty if none)."""
+    path = os.path.join(output_dir, EVENTS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _finite_json(value: Any) -> Any:
+    """JSON has no NaN: non-finite floats are written as the strings "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
