@@ -60,11 +60,11 @@ class FaultInjector(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         layer = last_decoder_layer(model)
-        param = first_trainable(model)
+        param = first_trainable_matrix(model)
         self._handles = [layer.register_forward_hook(self._poison_activation), param.register_hook(self._poison_grad)]
         self._weight = param
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         step = self._step = state.global_step + 1
         self._active = {}
         for i, fault in enumerate(self.faults):
@@ -73,9 +73,7 @@ class FaultInjector(TrainerCallback):
                 self._active[fault.kind] = fault.value
         if "weight" in self._active:
             with torch.no_grad():
-                target = getattr(self._weight, "ds_tensor", None)
-                target = target if target is not None and target.numel() > 0 else self._weight
-                target.view(-1)[0] = self._active["weight"]
+                _weight_target(self._weight, optimizer).view(-1)[0] = self._active["weight"]
             self.injected.append((step, "weight"))
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -99,6 +97,17 @@ class FaultInjector(TrainerCallback):
         return grad
 
 
+def _weight_target(param: torch.nn.Parameter, optimizer: Any) -> torch.Tensor:
+    """Where the weight really lives: under DeepSpeed ZeRO, this rank's fp32 master partition (the 16-bit copy is
+    rewritten from it at every step); otherwise the parameter itself."""
+    zero = getattr(optimizer, "optimizer", None)
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        flats = [t for t in getattr(zero, name, []) if t.numel() > 0]
+        if flats:
+            return flats[0]
+    return param.data
+
+
 def last_decoder_layer(model: torch.nn.Module) -> torch.nn.Module:
     """The last `...layers.N` module of a transformers model (works through PEFT and DeepSpeed wrappers)."""
     layers = [(name, module) for name, module in model.named_modules() if re.search(r"layers\.\d+$", name)]
@@ -107,8 +116,12 @@ def last_decoder_layer(model: torch.nn.Module) -> torch.nn.Module:
     return layers[-1][1]
 
 
-def first_trainable(model: torch.nn.Module) -> torch.nn.Parameter:
-    for param in model.parameters():
-        if param.requires_grad:
+def first_trainable_matrix(model: torch.nn.Module) -> torch.nn.Parameter:
+    """The first trainable weight matrix outside the embeddings (every token's forward pass goes through it)."""
+    candidates = [p for n, p in model.named_parameters() if p.requires_grad and "embed" not in n]
+    for param in candidates:
+        if param.dim() >= 2 or getattr(param, "ds_shape", ()) and len(param.ds_shape) >= 2:
             return param
+    if candidates:
+        return candidates[0]
     raise ValueError(f"{type(model).__name__} has no trainable parameter.")

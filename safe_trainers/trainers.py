@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import trl
 
 from .configs import DPOConfig, GRPOConfig, KTOConfig, RewardConfig
@@ -58,3 +59,15 @@ class GRPOTrainer(SafeTrainerMixin, trl.GRPOTrainer):
     _safety_kind = "grpo"
     _safety_config_class = GRPOConfig
     _trl_class = trl.GRPOTrainer
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL turns a `None` reward into NaN and zeroes the advantage of a completion no reward function scored; an
+        # Inf reward would reach the loss (and is then skipped by the guard). Either way, record it.
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.nan_guard is not None and self.model.training:
+            nonfinite = ~torch.isfinite(rewards)
+            count = int(nonfinite.sum())  # GRPO already reads its reward metrics back every step
+            if count:
+                unscorable = nonfinite.all(dim=1).view(-1, self.num_generations).all(dim=1)
+                self.nan_guard.record_rewards(count, rewards.shape[0], int(unscorable.sum()))
+        return rewards

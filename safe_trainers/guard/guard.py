@@ -347,7 +347,7 @@ class NanGuard:
 
     def _localize(self, step: int | None) -> dict[str, Any] | None:
         batches = self._batches.get(step) if step is not None else None
-        if not batches:
+        if not batches:  # every rank holds the batches of the same steps, so all ranks return here together
             return None
         self.localized = True
         trainer = self.trainer
@@ -357,6 +357,12 @@ class NanGuard:
             result = first_nonfinite_module(trainer.model, lambda: trainer.compute_loss(model, batches[0]))
         finally:
             self.replaying = False
+        result["rank"] = trainer.args.process_index
+        if _distributed():
+            # Each rank replayed its own batch: report the rank where the forward pass went non-finite.
+            results: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(results, result)
+            result = next((r for r in results if r.get("module")), results[0])
         result["step"] = step
         return result
 
@@ -378,6 +384,7 @@ def _ranks_with_flag(local: torch.Tensor) -> list[list[int]]:
 def _deepspeed_tensors(optimizer: Any, stage: int) -> list[torch.Tensor]:
     if stage == 3:
         tensors = list(optimizer.fp32_partitioned_groups_flat) + list(optimizer.fp16_partitioned_groups_flat)
+        tensors += [p.data for p in getattr(optimizer, "persistent_parameters", [])]
     else:
         tensors = list(optimizer.single_partition_of_fp32_groups) + list(optimizer.bit16_groups_flat)
     return tensors + optimizer_tensors(optimizer.optimizer)

@@ -33,7 +33,7 @@ class StepRecord:
     @property
     def what(self) -> list[str]:
         parts = []
-        if not math.isfinite(self.loss):
+        if not math.isfinite(self.loss) or self.bad_ranks:
             parts.append("loss")
         if not math.isfinite(self.grad_norm):
             parts.append("grad_norm")

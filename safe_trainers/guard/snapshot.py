@@ -187,7 +187,9 @@ def _clone_to_host(value: Any, previous: Any = None) -> Any:
 def _deepspeed_state(optimizer: Any, stage: int) -> dict[str, Any]:
     """This rank's shard of the ZeRO optimizer: the fp32 master partitions and the base optimizer's state."""
     if stage == 3:
-        return optimizer._rigid_state_dict()
+        # Read only: no `checkpoint_event_prologue` here, which would release the gathered parameters mid-step and
+        # break ZeRO-3's prefetch trace.
+        return optimizer.state_dict()
     return {
         "base": optimizer.optimizer.state_dict(),
         "fp32": list(optimizer.single_partition_of_fp32_groups),
@@ -196,8 +198,12 @@ def _deepspeed_state(optimizer: Any, stage: int) -> dict[str, Any]:
 
 def _restore_deepspeed(optimizer: Any, stage: int, saved: dict[str, Any]) -> None:
     if stage == 3:
-        # Restores the base optimizer state, the fp32 partitions, and the 16-bit partitions from them.
-        optimizer._rigid_load_state_dict(saved, load_optimizer_states=True)
+        # The sequence of DeepSpeed's own checkpoint load: restores the base optimizer state, the fp32 partitions,
+        # the 16-bit partitions from them, and re-gathers the persistent (unpartitioned) parameters. The list is
+        # indexed by data-parallel rank, and each rank only reads its own entry: this rank's snapshot.
+        optimizer.checkpoint_event_prologue()
+        optimizer.load_state_dict([saved] * torch.distributed.get_world_size(), load_optimizer_states=True)
+        optimizer.checkpoint_event_epilogue()
         return
     optimizer.optimizer.load_state_dict(saved["base"])
     for i, (live, host) in enumerate(zip(optimizer.single_partition_of_fp32_groups, saved["fp32"])):

@@ -1,0 +1,269 @@
+"""The safety rules for OpenRLHF launcher commands.
+
+Each rule reads a [`CommandView`] (the command under one flag generation, plus its models) and returns a [`Finding`]
+whose changes are `Change("argv.<flag>", old, new)`: `old=REMOVED` adds the flag, `new=REMOVED` drops it. Rules that
+share a concept with a trainer rule share its id, so `--safety-disable-rules` reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..report import REMOVED, Change, Finding
+from ..rules.attention import is_flash
+from ..rules.base import Rule
+from ..rules.optim import DEFAULT_MAX_GRAD_NORM, SANE_GRAD_NORM, clipping_disabled
+from ..rules.precision import FP16_OVERFLOW_FAMILIES
+from .command import CommandView
+from .flags import flag_kind
+from .models import QWEN2_FAMILY
+
+
+OPENRLHF = frozenset({"openrlhf"})
+# Advantage estimators that compare each completion with the others of its prompt's group.
+_NO_SIGNAL = "subtracts the group mean, so with one completion every advantage is 0 and nothing is learned"
+GROUP_ESTIMATORS = {
+    "group_norm": "divides each reward's distance from its group mean by the group's standard deviation, and the "
+    "deviation of one sample is NaN",
+    "rloo": "uses the mean of the other n-1 rewards as the baseline, a division by n-1 = 0",
+    "reinforce_baseline": _NO_SIGNAL,
+    "dr_grpo": _NO_SIGNAL,
+}
+
+
+def _shown(view: CommandView, flag: str) -> str:
+    """`--flag value` as the rule read it (`--flag` for a switch)."""
+    value = view.value(flag)
+    return f"`{flag}`" if value is None else f"`{flag} {value}`"
+
+
+class QwenNoVanillaLoss(Rule):
+    id = "kto.qwen2_no_vanilla_loss"
+    summary = "OpenRLHF KTO (<= 0.3.3) on a Qwen2-family model: `--vanilla_loss` is removed (empty-group mean is NaN)."
+    trainers = OPENRLHF
+    rationale = "https://github.com/OpenRLHF/OpenRLHF/issues/326"
+
+    def check(self, view: CommandView) -> Finding | None:
+        flag = view.flag("vanilla_loss")
+        if view.entry != "train_kto" or not view.has(flag):
+            return None
+        qwen = [m for m in view.models if m.types & QWEN2_FAMILY]
+        if not qwen:
+            return None
+        return self.fixed(
+            f"`{flag}` removed for {qwen[0].describe()}: the vanilla KTO loss averages the desirable and the "
+            "undesirable log-ratios of each shuffled micro-batch separately, and a micro-batch holding only one kind "
+            "makes one of those means a mean over nothing, i.e. NaN (the Qwen2 KTO NaN of OpenRLHF#326; the flag was "
+            "deleted in v0.3.4). Without it OpenRLHF uses its KTO loss with a KL baseline from mismatched pairs.",
+            Change(f"argv.{flag}", True, REMOVED),
+        )
+
+
+class Bf16OverFp16(Rule):
+    id = "precision.bf16_over_fp16"
+    summary = "OpenRLHF `--param_dtype fp16` / `--ds.param_dtype fp16` becomes bf16 (blocked for fp16-overflowing families without bf16)."  # noqa: E501
+    trainers = OPENRLHF
+    rationale = "https://github.com/huggingface/trl/issues/3236"
+
+    def check(self, view: CommandView) -> Finding | None:
+        flag = view.flag("precision")
+        # Up to 0.9.1 precision is the `--bf16` switch: without it DeepSpeed trains in fp32, there is no fp16 flag.
+        if flag is None or flag_kind(flag) == "bool" or view.value(flag) != "fp16":
+            return None
+        overflow = sorted({t for m in view.models for t in m.types} & FP16_OVERFLOW_FAMILIES)
+        why = (
+            f"`{overflow[0]}` activations overflow fp16's range (max 65504) and train to NaN"
+            if overflow
+            else "fp16 overflows past 65504 (inf/NaN loss) and leans on DeepSpeed's loss scaler; bf16 has fp32's "
+            "range at the same memory cost"
+        )
+        if view.bf16_supported is False:
+            if overflow:
+                return self.blocked(
+                    f"`{flag} fp16` on a GPU without bf16: {why}, and OpenRLHF {view.generation} has no fp32 option "
+                    f"(`{flag}` accepts only bf16 or fp16). Train on GPUs with bf16 (Ampere or newer)."
+                )
+            return self.warned(f"`{flag} fp16` kept: this GPU has no bf16. {why}; keep `--max_norm` set.")
+        return self.fixed(f"`{flag} fp16` switched to bf16: {why}.", Change(f"argv.{flag}", "fp16", "bf16"))
+
+
+class Gemma2NoFlash(Rule):
+    id = "attention.gemma2_no_flash"
+    summary = "OpenRLHF on soft-capped models (Gemma-2): eager attention and no sample packing (it forces flash)."
+    trainers = OPENRLHF
+    rationale = "https://github.com/OpenRLHF/OpenRLHF/issues/528"
+
+    def check(self, view: CommandView) -> Finding | None:
+        capped = [m for m in view.models if m.softcap]
+        if not capped:
+            return None
+        model = capped[0]
+        attn, packing, ring, dynamic = (view.flag(c) for c in ("attention", "packing", "ring", "dynamic_batch"))
+        why = (
+            f"{model.describe()} soft-caps its attention logits (`attn_logit_softcapping={model.softcap}`), and "
+            "flash attention gets soft-capped training wrong (NaN loss and gradients: OpenRLHF#528, "
+            "transformers#31997)"
+        )
+        ring_size = view.number(ring, 1) if ring else 1
+        if ring_size > 1:
+            return self.blocked(
+                f"{_shown(view, ring)} needs sample packing (`{packing}`), which OpenRLHF runs only with flash "
+                f"attention, and {why}. Use `{ring} 1` (no ring attention) for this model."
+            )
+        changes, done = [], []
+        if attn is None:
+            pass
+        elif flag_kind(attn) == "bool":  # <= 0.8.9: `--flash_attn` switch, eager without it
+            if view.has(attn):
+                changes.append(Change(f"argv.{attn}", True, REMOVED))
+                done.append(f"`{attn}` removed (OpenRLHF then loads the model with eager attention)")
+        else:
+            raw = view.value(attn)
+            requested = raw if raw is not None else "flash_attention_2"
+            if is_flash(requested) or requested == "sdpa":
+                changes.append(Change(f"argv.{attn}", REMOVED if raw is None else raw, "eager"))
+                if raw is None:
+                    done.append(f"`{attn} eager` added (without it OpenRLHF {view.generation} uses flash_attention_2)")
+                else:
+                    done.append(f"`{attn} {raw}` set to `eager`")
+        forced = "OpenRLHF silently switches back to flash attention when packing is on"
+        if view.has(packing):
+            changes.append(Change(f"argv.{packing}", True, REMOVED))
+            done.append(f"`{packing}` removed: {forced} (expect more padding)")
+        if view.has(dynamic):
+            changes.append(Change(f"argv.{dynamic}", True, REMOVED))
+            done.append(f"`{dynamic}` removed: it turns packing on, and {forced}")
+        if not changes:
+            return None
+        return self.fixed(f"{why}. " + "; ".join(done) + ".", *changes)
+
+
+class GradClip(Rule):
+    id = "optim.grad_clip"
+    summary = "OpenRLHF `--max_norm` (`--actor.max_norm`, `--critic.max_norm`) <= 0, inf or NaN becomes 1.0 (not with Muon)."  # noqa: E501
+    trainers = OPENRLHF
+    rationale = "https://github.com/huggingface/trl/issues/1356"
+
+    def check(self, view: CommandView) -> Finding | None:
+        changes, disabled, unusual = [], [], []
+        for flag in view.flags("max_norm"):
+            raw = view.value(flag)
+            if raw is None:
+                continue  # OpenRLHF's default is 1.0
+            optim = flag.replace("max_norm", "optim")
+            if optim in view.flags("optim") and view.value(optim) == "muon":
+                continue  # OpenRLHF asks for `max_norm=0` with Muon: clipping after its update would cancel it
+            value = view.number(flag, DEFAULT_MAX_GRAD_NORM)
+            if clipping_disabled(value):
+                changes.append(Change(f"argv.{flag}", raw, str(DEFAULT_MAX_GRAD_NORM)))
+                disabled.append(f"`{flag} {raw}`")
+            elif not SANE_GRAD_NORM[0] <= value <= SANE_GRAD_NORM[1]:
+                unusual.append(f"`{flag} {raw}`")
+        if changes:
+            return self.fixed(
+                f"{' and '.join(disabled)} turn{'s' if len(disabled) == 1 else ''} gradient clipping off (DeepSpeed "
+                "clips only for a finite `gradient_clipping` > 0), so one bad batch can blow up the weights. Clipping "
+                f"at {DEFAULT_MAX_GRAD_NORM}, OpenRLHF's default.",
+                *changes,
+            )
+        if unusual:
+            low, high = SANE_GRAD_NORM
+            return self.warned(
+                f"{' and '.join(unusual)} is outside the usual range [{low}, {high}]; 1.0 (OpenRLHF's default) is the "
+                "common choice for preference and RL fine-tuning."
+            )
+        return None
+
+
+class GroupSize(Rule):
+    id = "grpo.group_size"
+    summary = "OpenRLHF group estimators (group_norm/GRPO, rloo, reinforce_baseline, dr_grpo) need >= 2 samples per prompt and temperature > 0."  # noqa: E501
+    trainers = OPENRLHF
+    rationale = "https://github.com/huggingface/trl/issues/2906"
+
+    def check(self, view: CommandView) -> Finding | None:
+        estimator_flag = view.flag("estimator")
+        if view.entry not in ("train_ppo", "train_ppo_ray") or estimator_flag is None:
+            return None
+        estimator = view.value(estimator_flag) or "gae"
+        if estimator not in GROUP_ESTIMATORS:
+            return None
+        problems = []
+        n_flag, t_flag = view.flag("n_samples"), view.flag("temperature")
+        n = view.number(n_flag, 1) if n_flag else 1
+        if n < 2:
+            given = _shown(view, n_flag) if view.has(n_flag) else f"`{n_flag}` left at its default 1"
+            problems.append(
+                f"`{estimator_flag} {estimator}` with {given}: {estimator} {GROUP_ESTIMATORS[estimator]}. Set "
+                f"`{n_flag}` to 2 or more (8 or 16 is typical)."
+            )
+        temperature = view.number(t_flag, 1.0) if t_flag else 1.0
+        if not (math.isfinite(temperature) and temperature > 0):
+            problems.append(
+                f"{_shown(view, t_flag)}: {estimator} needs different completions within a group, and sampling "
+                "needs a positive temperature (0 makes every completion of a group identical, so every advantage is 0 or "
+                "NaN). Use a value in (0, 2], e.g. 1.0."
+            )
+        return self.blocked(" ".join(problems)) if problems else None
+
+
+class KtoBatchAndLabels(Rule):
+    id = "kto.batch_and_labels"
+    summary = "OpenRLHF KTO needs `--micro_train_batch_size` >= 2 (its KL baseline pairs examples of a micro-batch)."
+    trainers = OPENRLHF
+    rationale = "https://github.com/OpenRLHF/OpenRLHF/issues/326"
+
+    def check(self, view: CommandView) -> Finding | None:
+        flag = view.flag("micro_batch")
+        if view.entry != "train_kto" or flag is None or view.value(flag) is None or view.number(flag, 8) >= 2:
+            return None
+        vanilla = view.flag("vanilla_loss")
+        if view.has(vanilla):
+            return self.blocked(
+                f"{_shown(view, flag)} with `{vanilla}`: every micro-batch then holds only desirable or only "
+                "undesirable examples, so the vanilla KTO loss takes a mean over nothing on every step (NaN). Use a "
+                f"micro-batch of 2 or more, or drop `{vanilla}`."
+            )
+        return self.warned(
+            f"{_shown(view, flag)}: OpenRLHF's KTO estimates its KL baseline from mismatched pairs inside each "
+            "micro-batch (prompt i with completion i+1); with one example the pair is the example itself, so the "
+            "baseline is just its own log-ratio. Use 2 or more."
+        )
+
+
+class BetaPositive(Rule):
+    id = "dpo.beta_positive"
+    summary = "OpenRLHF DPO and KTO need a finite `--beta` (`--model.beta`) > 0."
+    trainers = OPENRLHF
+    rationale = "https://github.com/huggingface/trl/blob/main/trl/trainer/dpo_trainer.py"
+
+    def check(self, view: CommandView) -> Finding | None:
+        flag = view.flag("beta")
+        if view.entry not in ("train_dpo", "train_kto") or flag is None or view.value(flag) is None:
+            return None
+        beta = view.number(flag, 0.1)
+        if math.isfinite(beta) and beta > 0:
+            return None
+        return self.blocked(
+            f"{_shown(view, flag)}: the preference loss scales the policy/reference log-ratio by beta, so beta <= 0 "
+            "gives a constant loss with no gradient (or the wrong sign), and inf/NaN make it NaN. Use a positive "
+            "value, e.g. 0.1 (OpenRLHF's DPO default)."
+        )
+
+
+RULES: tuple[Rule, ...] = (
+    QwenNoVanillaLoss(),
+    Bf16OverFp16(),
+    Gemma2NoFlash(),
+    GradClip(),
+    GroupSize(),
+    KtoBatchAndLabels(),
+    BetaPositive(),
+)
+
+
+def rule_ids() -> list[str]:
+    return [rule.id for rule in RULES]
+
+
+__all__ = ["GROUP_ESTIMATORS", "RULES", "rule_ids"]

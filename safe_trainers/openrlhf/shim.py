@@ -1,0 +1,254 @@
+"""`sanitize` an OpenRLHF launcher command (pure decisions) and `run` it (the only side effects).
+
+The flag names come from the OpenRLHF release in use: the installed `openrlhf` package, else `--openrlhf-version`,
+else the command's own flag style. When the style fits several generations (e.g. a command with no precision or
+attention flag), every rule runs under each of them; a fix they agree on is applied, one that would need
+version-specific flag names is reported as a warning and not applied, so the shim never adds a flag the installed
+release would reject.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, TextIO
+
+from ..arguments import SAFETY_MODES
+from ..engine import run_stage, skipped_findings
+from ..errors import SafetyError
+from ..report import Finding, SafetyReport
+from ..rules.base import Rule
+from .command import (
+    CommandError, CommandView, OpenRLHFCommand, apply_changes, detect_generations, model_paths, parse_command,
+)  # fmt: skip
+from .flags import Generation, generation_for_version
+from .models import ModelInfo, inspect_model, read_config
+from .rules import RULES, rule_ids
+
+
+def installed_openrlhf_version() -> str | None:
+    """The version of the installed `openrlhf` distribution, or `None` when it is not installed."""
+    try:
+        return importlib.metadata.version("openrlhf")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def local_bf16_support() -> bool | None:
+    """Whether this machine's GPU supports bf16 (`None` when there is no CUDA GPU here to ask, e.g. a Ray head)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return bool(torch.cuda.is_bf16_supported()) if torch.cuda.is_available() else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `sanitize` decided.
+
+    Args:
+        argv (`list[str]`): the command to run (rewritten in `"fix"` mode, the original otherwise).
+        report (`SafetyReport`): the findings.
+        command (`OpenRLHFCommand | None`): the parsed original command (`None` in `"off"` mode).
+        generations (`tuple[Generation, ...]`): the flag generations the rules used, newest first.
+        version_source (`str`): how the generation was chosen.
+        models (`tuple[ModelInfo, ...]`): the models the rules saw.
+        notes (`tuple[str, ...]`): remarks for the user that are not findings.
+    """
+
+    argv: list[str]
+    report: SafetyReport
+    command: OpenRLHFCommand | None = None
+    generations: tuple[Generation, ...] = ()
+    version_source: str = ""
+    models: tuple[ModelInfo, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line: entry point, flag generation and where it came from, models."""
+        if self.command is None:
+            return "safe-trainers openrlhf: running the command unchanged."
+        versions = " or ".join(str(g) for g in self.generations)
+        models = ", ".join(m.describe() for m in self.models) or "none named"
+        return (
+            f"safe-trainers openrlhf: `{self.command.launcher[-1]}` with the flag names of OpenRLHF {versions} "
+            f"({self.version_source}); models: {models}."
+        )
+
+
+def _generations(command: OpenRLHFCommand, version: str | None, installed: str | None):
+    """`(generations, source, notes)` for the command."""
+    notes: list[str] = []
+    if installed or version:
+        chosen = generation_for_version(installed or version)
+        source = f"installed openrlhf {installed}" if installed else f"`--openrlhf-version {version}`"
+        try:
+            style, told = detect_generations(command)
+        except CommandError as error:
+            notes.append(f"the command's flags do not fit one OpenRLHF release: {error}")
+        else:
+            if chosen not in style:
+                notes.append(
+                    f"the command's flags ({told}) are those of OpenRLHF {' or '.join(str(g) for g in style)}, but "
+                    f"the rules use the names of {chosen} ({source}); OpenRLHF may reject the command."
+                )
+        return (chosen,), source, notes
+    style, told = detect_generations(command)
+    return style, f"from the flags: {told}", notes
+
+
+def _merge(findings: list[Finding | None], generations: tuple[Generation, ...]) -> Finding | None:
+    """One finding from a rule run under each candidate generation: kept if they agree, else a warning."""
+    keys = [None if f is None else (f.action, f.changes) for f in findings]
+    if all(key == keys[0] for key in keys):
+        return findings[0]
+    first = next(f for f in findings if f is not None)
+    applies = " or ".join(str(g) for g, f in zip(generations, findings) if f is not None)
+    return Finding(
+        first.rule_id,
+        "warned",
+        f"{first.message} Not applied: this holds for OpenRLHF {applies} only, and the command's flags fit "
+        f"{' or '.join(str(g) for g in generations)}. Pass `--openrlhf-version` (or install openrlhf) to apply it.",
+    )
+
+
+def plan(
+    argv: Sequence[str],
+    version: str | None = None,
+    mode: str = "fix",
+    disabled: Iterable[str] = (),
+    *,
+    installed: Callable[[], str | None] | None = None,
+    reader: Callable[[str], dict[str, Any] | None] = read_config,
+    bf16_supported: bool | None = None,
+) -> Plan:
+    """Decide what to run. See [`sanitize`]; this also returns the parsed command, generations and models.
+
+    `installed` returns the installed OpenRLHF version (default: `importlib.metadata`), `reader` reads a local
+    model's `config.json`, `bf16_supported` says whether the GPUs have bf16 (`None`: unknown, assumed yes).
+
+    Raises:
+        `CommandError`: the command cannot be read (nothing may run).
+        `SafetyError`: a rule blocked the command, or `mode="strict"` and a rule found something.
+        `ValueError`: unknown `mode`, rule id or version.
+    """
+    argv = [str(token) for token in argv]
+    disabled = list(disabled)
+    if mode not in SAFETY_MODES:
+        raise ValueError(f"`--safety-mode` must be one of {list(SAFETY_MODES)}, got {mode!r}.")
+    unknown = sorted(set(disabled) - set(rule_ids()))
+    if unknown:
+        valid = ", ".join(rule_ids())
+        raise ValueError(f"unknown rule ids {unknown} in `--safety-disable-rules`. Valid ids: {valid}.")
+    if not argv:
+        raise CommandError("no command given: put the OpenRLHF launcher command after `--`.")
+    if mode == "off":
+        return Plan(argv, SafetyReport(trainer="openrlhf", mode=mode))
+
+    command = parse_command(argv)
+    generations, source, notes = _generations(command, version, (installed or installed_openrlhf_version)())
+    pairs = dict.fromkeys(pair for g in generations for pair in model_paths(CommandView(command, g)))
+    models = tuple(inspect_model(flag, path, reader) for flag, path in pairs)
+    views = [CommandView(command, g, models, bf16_supported) for g in generations]
+    for view in views:
+        view.validate()
+
+    def check(rule: Rule, current: OpenRLHFCommand) -> Finding | None:
+        return _merge([rule.check(CommandView(current, g, models, bf16_supported)) for g in generations], generations)
+
+    def apply(current: OpenRLHFCommand, finding: Finding) -> OpenRLHFCommand:
+        return apply_changes(current, finding.changes, generations[0])
+
+    enabled = [rule for rule in RULES if rule.id not in disabled]
+    report = SafetyReport(
+        trainer="openrlhf", mode=mode, findings=skipped_findings(r for r in RULES if r.id in disabled)
+    )
+    final = run_stage(command, enabled, SimpleNamespace(safety_mode=mode), report, check=check, apply=apply)
+    new_argv = final.argv if mode == "fix" else argv
+    return Plan(new_argv, report, command, generations, source, models, tuple(notes))
+
+
+def sanitize(
+    argv: Sequence[str], version: str | None = None, mode: str = "fix", disabled: Iterable[str] = (), **kwargs: Any
+) -> tuple[list[str], SafetyReport]:
+    """Apply the OpenRLHF rules to a launcher command.
+
+    Args:
+        argv (`Sequence[str]`): the full launcher command, e.g. `["deepspeed", "--module", "openrlhf.cli.train_rm",
+            "--pretrain", "google/gemma-2-2b-it", "--flash_attn"]`.
+        version (`str`, *optional*): the OpenRLHF release (`--openrlhf-version`), used when openrlhf is not installed.
+        mode (`str`, *optional*, defaults to `"fix"`): `"fix"`, `"warn"`, `"strict"` or `"off"`.
+        disabled (`Iterable[str]`, *optional*): rule ids to skip.
+        **kwargs: `installed`, `reader` and `bf16_supported`, see [`plan`].
+
+    Returns:
+        `tuple[list[str], SafetyReport]`: the command to run and the report.
+
+    Example:
+        ```python
+        >>> argv, report = sanitize(["deepspeed", "--module", "openrlhf.cli.train_rm", "--pretrain",
+        ...                          "google/gemma-2-2b-it", "--bf16", "--flash_attn"], installed=lambda: None)
+        >>> argv
+        ['deepspeed', '--module', 'openrlhf.cli.train_rm', '--pretrain', 'google/gemma-2-2b-it', '--bf16']
+        ```
+    """
+    result = plan(argv, version, mode, disabled, **kwargs)
+    return result.argv, result.report
+
+
+def run(
+    argv: Sequence[str],
+    version: str | None = None,
+    mode: str = "fix",
+    disabled: Iterable[str] = (),
+    *,
+    dry_run: bool = False,
+    runner: Callable[..., Any] = subprocess.run,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    **kwargs: Any,
+) -> int:
+    """Sanitize `argv`, print the report (stderr), then run the command as an argument list, never through a shell.
+
+    Returns:
+        `int`: the command's exit code (128 + N when killed by signal N); 0 for `dry_run` (the command is printed to
+        stdout with `shlex.join`); 1 when a rule blocks it; 2 when it cannot be read; 127 when the launcher is missing.
+    """
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    if "bf16_supported" not in kwargs:
+        kwargs["bf16_supported"] = local_bf16_support()
+    try:
+        result = plan(argv, version, mode, disabled, **kwargs)
+    except SafetyError as error:
+        print(str(error), file=err)
+        return 1
+    except ValueError as error:
+        print(f"safe-trainers openrlhf: error: {error}", file=err)
+        return 2
+    print(result.describe(), file=err)
+    for note in result.notes:
+        print(f"safe-trainers openrlhf: note: {note}", file=err)
+    print(result.report.render(), file=err)
+    if dry_run:
+        print(shlex.join(result.argv), file=out)
+        return 0
+    out.flush()
+    err.flush()
+    try:
+        completed = runner(list(result.argv))
+    except FileNotFoundError:
+        print(f"safe-trainers openrlhf: error: `{result.argv[0]}` was not found on PATH; nothing was run.", file=err)
+        return 127
+    except KeyboardInterrupt:
+        return 130
+    code = int(completed.returncode)
+    return 128 - code if code < 0 else code
+
+
+__all__ = ["Plan", "installed_openrlhf_version", "plan", "run", "sanitize"]

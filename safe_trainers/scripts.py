@@ -1,0 +1,260 @@
+"""Shared logic of the launch scripts (`launch/train_{reward,dpo,kto,grpo}.py`) and of `safe-trainers check`.
+
+A script is `main(kind)`: parse a YAML `--config` plus command-line overrides with TRL's parser into
+`(ScriptArguments, <safe config>, ModelConfig)`, load the model path, PEFT config and training dataset, build the
+`safe_trainers` trainer (the safety rules run in its constructor), train, and save.
+
+With neither `model_name_or_path` nor `dataset_name` given, the scripts run on a tiny model and a toy dataset built
+locally (no network), so `accelerate launch launch/train_dpo.py` works on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import trl
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from . import toy
+from .configs import CONFIG_CLASSES
+from .rewards import BUILTIN_REWARDS, load_reward_funcs
+
+
+logger = logging.getLogger("safe_trainers")
+
+TOY_MODEL_DIRNAME = "toy-model"
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class ScriptArguments(trl.ScriptArguments):
+    """
+    [`~trl.ScriptArguments`] plus the arguments the GRPO script needs.
+
+    Args:
+        reward_funcs (`list[str]`, *optional*, defaults to `["count_words"]`):
+            GRPO reward functions: built-in names (`count_words`, `length`, `format`, see `safe_trainers.rewards`),
+            `module:function` paths to your own functions, or local reward-model directories.
+    """
+
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["count_words"],
+        metadata={
+            "help": f"GRPO reward functions: built-in names ({', '.join(BUILTIN_REWARDS)}), `module:function` paths "
+            "to your own functions, or local reward-model directories."
+        },
+    )
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in CONFIG_CLASSES:
+        raise ValueError(f"Unknown trainer kind {kind!r}; choose one of {', '.join(CONFIG_CLASSES)}.")
+
+
+def has_accelerator() -> bool:
+    """Whether a GPU-like device that transformers can train on is present (CUDA, XPU, MPS, NPU or XLA)."""
+    import torch
+    from transformers.utils import is_torch_npu_available, is_torch_xla_available
+
+    return (
+        torch.cuda.is_available()
+        or (hasattr(torch, "xpu") and torch.xpu.is_available())
+        or torch.backends.mps.is_available()
+        or is_torch_npu_available()
+        or is_torch_xla_available()
+    )
+
+
+def make_parser(kind: str) -> TrlParser:
+    """TRL's parser over `(ScriptArguments, <safe config of kind>, ModelConfig)`. Without an accelerator, `use_cpu`
+    defaults to `True` (a `--config` file or the command line can still set it)."""
+    _check_kind(kind)
+    parser = TrlParser((ScriptArguments, CONFIG_CLASSES[kind], ModelConfig), prog=f"train_{kind}")
+    if not has_accelerator():
+        # transformers refuses bf16 (the TRL default) without a GPU unless `use_cpu=True`.
+        parser.set_defaults(use_cpu=True)
+    return parser
+
+
+def parse_args(kind: str, argv: list[str] | None = None) -> tuple[ScriptArguments, Any, ModelConfig]:
+    """Parse `argv` (default `sys.argv[1:]`): an optional YAML `--config` file, then command-line overrides.
+
+    Args:
+        kind (`str`):
+            `"reward"`, `"dpo"`, `"kto"` or `"grpo"`: selects the safe config class.
+        argv (`list[str]`, *optional*):
+            The arguments. Launcher-added flags such as `--local_rank=0` are config fields and parse normally.
+
+    Returns:
+        `tuple[ScriptArguments, Config, ModelConfig]`: script arguments, the safe trainer config (TRL fields plus
+        `safety_*` and `nan_*`) and the model arguments.
+    """
+    parser = make_parser(kind)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    if training_args.use_cpu and not has_accelerator() and training_args.process_index == 0:
+        logger.warning("safe_trainers: no GPU found, training on the CPU (`use_cpu=True`).")
+    return script_args, training_args, model_args
+
+
+def model_and_peft(kind: str, model_args: ModelConfig, training_args: Any) -> tuple[str, Any, Any]:
+    """The model path, the config with `model_init_kwargs` filled from `model_args`, and the PEFT config.
+
+    `model_init_kwargs` gets `revision`, `trust_remote_code`, `attn_implementation` and `dtype` as TRL's scripts set
+    them; keys already in `training_args.model_init_kwargs` win. The PEFT config is `get_peft_config(model_args)`
+    unchanged (`lora_task_type` as given): fixing it is the safety rules' job, so the fix is reported.
+
+    Raises:
+        ValueError: when `model_args.model_name_or_path` is not set.
+    """
+    _check_kind(kind)
+    if not model_args.model_name_or_path:
+        raise ValueError(
+            "`model_name_or_path` is not set. Pass `--model_name_or_path <hub id or local path>` (or set it in the "
+            "`--config` file); leave both it and `dataset_name` unset to run on the built-in toy model and dataset."
+        )
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+    return model_args.model_name_or_path, training_args, get_peft_config(model_args)
+
+
+def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
+    """One split of the dataset named by `script_args.dataset_name`: a hub id (`datasets.load_dataset`), a local JSON,
+    JSONL or Parquet file (its rows form split `split`), a `save_to_disk` folder, or any folder `load_dataset` reads.
+    With no `dataset_name`, the deterministic toy dataset for `kind`."""
+    _check_kind(kind)
+    name = script_args.dataset_name
+    if not name:
+        return toy.dataset_for(kind)
+    extension = os.path.splitext(name)[1].lower()
+    if os.path.isfile(name):
+        if extension not in DATA_FILE_BUILDERS:
+            raise ValueError(
+                f"`dataset_name={name!r}` is a file with an unsupported extension {extension!r}. Use a "
+                f"{', '.join(DATA_FILE_BUILDERS)} file, a `save_to_disk` folder or a dataset id."
+            )
+        return load_dataset(DATA_FILE_BUILDERS[extension], data_files={split: name}, split=split)
+    if os.path.isdir(name) and _is_saved_to_disk(name):
+        dataset = load_from_disk(name)
+        if isinstance(dataset, DatasetDict):
+            if split not in dataset:
+                raise ValueError(
+                    f"The dataset saved at {name!r} has no split {split!r}; its splits are {list(dataset)}. Set "
+                    "`dataset_train_split` (or `dataset_test_split`) to one of them."
+                )
+            return dataset[split]
+        return dataset
+    return load_dataset(name, name=script_args.dataset_config, split=split, streaming=script_args.dataset_streaming)
+
+
+def load_train_dataset(kind: str, script_args: ScriptArguments) -> Dataset:
+    """The training split (`script_args.dataset_train_split`); see [`load_split`] for the accepted sources."""
+    return load_split(kind, script_args, script_args.dataset_train_split)
+
+
+def _is_saved_to_disk(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
+
+
+def use_toy_defaults(kind: str, script_args: ScriptArguments, model_args: ModelConfig, training_args: Any) -> bool:
+    """Point `model_args` at a tiny local model when neither a model nor a dataset is given; return whether it did.
+
+    The model is built and saved to `<output_dir>/toy-model` by the local main process of each node while the other
+    processes wait, so every rank loads the same weights. The toy dataset comes from [`load_split`].
+
+    Raises:
+        ValueError: when exactly one of `model_name_or_path` and `dataset_name` is set (a real model on toy data, or
+            real data on a random toy model, is almost always a forgotten flag).
+    """
+    has_model, has_data = bool(model_args.model_name_or_path), bool(script_args.dataset_name)
+    if has_model and has_data:
+        return False
+    if has_model != has_data:
+        missing = "dataset_name" if has_model else "model_name_or_path"
+        given = "model_name_or_path" if has_model else "dataset_name"
+        raise ValueError(
+            f"`{given}` is set but `{missing}` is not. Set `--{missing}` too, or leave both unset to run on the "
+            "built-in toy model and dataset."
+        )
+    from accelerate import PartialState
+
+    path = os.path.join(training_args.output_dir, TOY_MODEL_DIRNAME)
+    task = "seq_cls" if kind == "reward" else "causal_lm"
+    with PartialState().local_main_process_first():
+        if PartialState().is_local_main_process:
+            toy.save_toy_model(path, task=task)
+    if training_args.process_index == 0:
+        logger.warning(
+            f"safe_trainers: no `model_name_or_path` and no `dataset_name`, so training the tiny toy model saved at "
+            f"{path!r} on the toy {kind} dataset. Pass both to train your own model."
+        )
+    model_args.model_name_or_path = path
+    return True
+
+
+def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, model_args: ModelConfig):
+    """The `safe_trainers` trainer of `kind` for parsed arguments (toy defaults, model, PEFT, data, rewards)."""
+    import safe_trainers
+    from trl import get_quantization_config
+
+    use_toy_defaults(kind, script_args, model_args, training_args)
+    model, training_args, peft_config = model_and_peft(kind, model_args, training_args)
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        args=training_args,
+        train_dataset=load_train_dataset(kind, script_args),
+        peft_config=peft_config,
+        quantization_config=get_quantization_config(model_args),
+    )
+    if training_args.eval_strategy != "no":
+        kwargs["eval_dataset"] = load_split(kind, script_args, script_args.dataset_test_split)
+    if kind == "grpo":
+        kwargs["reward_funcs"] = load_reward_funcs(script_args.reward_funcs)
+    trainer_class = {
+        "reward": safe_trainers.RewardTrainer,
+        "dpo": safe_trainers.DPOTrainer,
+        "kto": safe_trainers.KTOTrainer,
+        "grpo": safe_trainers.GRPOTrainer,
+    }[kind]
+    return trainer_class(**kwargs)
+
+
+def main(kind: str, argv: list[str] | None = None):
+    """Parse `argv`, build the `safe_trainers` trainer of `kind`, train, save to `output_dir`, and return the trainer.
+
+    The process group is destroyed at the end (`trainer.end()`), so the returned trainer is for reading its state
+    (`trainer.state`, `trainer.safety_report`), not for more distributed work.
+    """
+    script_args, training_args, model_args = parse_args(kind, argv)
+    trainer = build_trainer(kind, script_args, training_args, model_args)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"safe_trainers: model saved to {training_args.output_dir}.")
+    end = getattr(trainer, "end", None)  # transformers >= 5.18: finish trackers, destroy the process group
+    if end is not None and not os.environ.get("ST_NOEND"):
+        end()
+    return trainer
+
+
+__all__ = [
+    "ScriptArguments",
+    "build_trainer",
+    "load_split",
+    "load_train_dataset",
+    "main",
+    "make_parser",
+    "model_and_peft",
+    "parse_args",
+    "use_toy_defaults",
+]

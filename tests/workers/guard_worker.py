@@ -1,0 +1,121 @@
+"""Train one of the four safe trainers on a toy model with injected faults; write a JSON result per rank.
+
+Launched by the distributed guard tests, e.g.:
+    accelerate launch --multi_gpu --num_processes 2 tests/workers/guard_worker.py --kind dpo --fault loss:6:1 \
+        --model MODEL_DIR --out DIR
+    deepspeed --num_gpus 2 tests/workers/guard_worker.py --kind dpo --fault loss:6:1 --model MODEL_DIR --out DIR \
+        --deepspeed zero3.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+
+import safe_trainers as st  # noqa: E402
+from safe_trainers.faults import Fault, FaultInjector  # noqa: E402
+from safe_trainers.toy import count_words_reward, dataset_for  # noqa: E402
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kind", default="dpo", choices=["reward", "dpo", "kto", "grpo"])
+    parser.add_argument("--fault", action="append", default=[], help="kind:step[:rank[:value]]")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", required=True, help="a saved toy model (safe_trainers.toy.save_toy_model)")
+    parser.add_argument("--deepspeed", default=None)
+    parser.add_argument("--max_steps", type=int, default=8)
+    parser.add_argument("--max_rollbacks", type=int, default=3)
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    ns = parse(argv)
+    if ns.deepspeed:
+        # DeepSpeed's own communicator must be up before accelerate's state, or DeepSpeed sees a world of 1.
+        import deepspeed
+
+        deepspeed.init_distributed()
+    state = PartialState()
+    model_dir = ns.model  # written by the test before launching, so no rank races another to create it
+    common = dict(
+        output_dir=os.path.join(ns.out, "run"),
+        max_steps=ns.max_steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=4,
+        report_to="none",
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        use_cpu=not torch.cuda.is_available(),
+        nan_snapshot_steps=2,
+        nan_max_rollbacks=ns.max_rollbacks,
+        deepspeed=ns.deepspeed,
+        seed=0,
+    )
+    kwargs = {}
+    if ns.lora:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    n = 8 * ns.max_steps * max(state.num_processes, 1)
+    if ns.kind == "reward":
+        trainer = st.RewardTrainer(model_dir, args=st.RewardConfig(**common), train_dataset=dataset_for("reward", n), **kwargs)
+    elif ns.kind == "dpo":
+        trainer = st.DPOTrainer(model_dir, args=st.DPOConfig(**common), train_dataset=dataset_for("dpo", n), **kwargs)
+    elif ns.kind == "kto":
+        trainer = st.KTOTrainer(model_dir, args=st.KTOConfig(**common), train_dataset=dataset_for("kto", n), **kwargs)
+    else:
+        config = st.GRPOConfig(num_generations=2, max_completion_length=6, **common)
+        trainer = st.GRPOTrainer(model_dir, reward_funcs=count_words_reward, args=config, train_dataset=dataset_for("grpo", n), **kwargs)
+    faults = []
+    for spec in ns.fault:
+        parts = spec.split(":")
+        rank = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
+        value = float(parts[3]) if len(parts) > 3 else float("nan")
+        faults.append(Fault(step=int(parts[1]), kind=parts[0], rank=rank, value=value))
+    injector = FaultInjector(faults)
+    trainer.add_callback(injector)
+    outcome = "finished"
+    try:
+        trainer.train()
+    except st.TrainingDivergedError as error:
+        outcome = f"diverged: {error.checkpoint_dir}"
+    params = [p for p in trainer.model.parameters()]
+    if trainer.is_deepspeed_enabled:
+        optimizer = trainer.model_wrapped.optimizer
+        flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
+        finite = all(bool(torch.isfinite(t).all()) for t in flats)
+    else:
+        finite = all(bool(torch.isfinite(p).all()) for p in params)
+    result = {
+        "rank": state.process_index,
+        "world": state.num_processes,
+        "outcome": outcome,
+        "global_step": trainer.state.global_step,
+        "finite": finite,
+        "injected": injector.injected,
+        "skipped": trainer.nan_guard.skipped_steps,
+        "rollbacks": trainer.nan_guard.rollbacks,
+        "checksum": float(sum(p.detach().double().sum() for p in params if p.numel() > 0)),
+    }
+    with open(os.path.join(ns.out, f"result-rank{state.process_index}.json"), "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
