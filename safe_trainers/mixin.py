@@ -181,7 +181,9 @@ class SafeTrainerMixin:
             if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_run_dir(run_dir)):
                 self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(self.state.best_model_checkpoint))
         self.accelerator.wait_for_everyone()
-        if self.args.should_save:
+        if self.args.should_save and not guard.aborting:
+            # The checkpoint saved on abort holds the last good state, usually older than the newest checkpoint:
+            # rotating by step number would delete it first, so it is exempt.
             rotate_checkpoints(
                 output_dir=run_dir,
                 save_total_limit=self.args.save_total_limit,

@@ -54,6 +54,7 @@ class NanGuard:
         self.lr_scale = 1.0
         self.localized = False
         self.replaying = False
+        self.aborting = False
         self.snapshotter: Snapshotter | None = None
         self._reset_step()
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -286,6 +287,7 @@ class NanGuard:
         current = trainer.state.global_step
         snap = self.snapshotter.restore(trainer.state, trainer.lr_scheduler, trainer.accelerator.scaler)
         checkpoint = None
+        self.aborting = True
         try:
             trainer._save_checkpoint(trainer.model_wrapped, trial=None)
             checkpoint = os.path.join(trainer._get_output_dir(trial=None), f"checkpoint-{trainer.state.global_step}")

@@ -142,10 +142,9 @@ def detect_generations(command: OpenRLHFCommand) -> tuple[tuple[Generation, ...]
     if dotted:
         return (DOTTED,), f"`{dotted[0]}`"
     markers: list[tuple[str, set[Generation]]] = []
-    for name in names:
-        if not fits_dotted(name):
-            markers.append((name, {LEGACY, ATTN_IMPL, PARAM_DTYPE}))
-            break
+    flat = next((n for n in names if not fits_dotted(n)), None)  # a flat flag that >= 0.10.2 no longer has
+    if flat is not None:
+        markers.append((flat, {LEGACY, ATTN_IMPL, PARAM_DTYPE}))
     checks = (
         ("--param_dtype", (PARAM_DTYPE,), {PARAM_DTYPE}),
         ("--flash_attn", (LEGACY,), {LEGACY}),
@@ -167,7 +166,8 @@ def detect_generations(command: OpenRLHFCommand) -> tuple[tuple[Generation, ...]
             )
         candidates &= allowed
     ordered = tuple(g for g in GENERATIONS if g in candidates)
-    reason = ", ".join(f"`{n}`" for n, a in markers if len(a) < 3) or "no version-specific flag"
+    telling = ", ".join(f"`{name}`" for name, _ in markers[1 if flat is not None else 0 :])
+    reason = telling or (f"undotted flags such as `{flat}`" if flat else "no version-specific flag")
     return ordered, reason
 
 

@@ -1,0 +1,71 @@
+"""Helpers for the NaN guard tests: build a trainer with faults, and check checkpoints on disk."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors.torch import load_file
+
+import safe_trainers as st
+from safe_trainers.faults import Fault, FaultInjector
+from safe_trainers.toy import count_words_reward, dataset_for
+
+
+CONFIGS = {"reward": st.RewardConfig, "dpo": st.DPOConfig, "kto": st.KTOConfig, "grpo": st.GRPOConfig}
+TRAINERS = {"reward": st.RewardTrainer, "dpo": st.DPOTrainer, "kto": st.KTOTrainer, "grpo": st.GRPOTrainer}
+
+
+def guarded_trainer(
+    kind: str, model_dir: str, output_dir: str, faults: list[Fault] = (), reward_funcs=None, trainer_cls=None, **overrides
+):
+    """A safe trainer of `kind` on a toy model, saving every 4 steps, with a `FaultInjector` attached."""
+    args = dict(
+        output_dir=output_dir,
+        max_steps=10,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=4,
+        report_to="none",
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        nan_snapshot_steps=2,
+        seed=0,
+    )
+    if kind == "grpo":
+        args.update(num_generations=2, max_completion_length=6)
+    args.update(overrides)
+    config = CONFIGS[kind](**args)
+    data = dataset_for(kind, 2 * config.max_steps * 4)
+    extra = {"reward_funcs": reward_funcs or count_words_reward} if kind == "grpo" else {}
+    trainer = (trainer_cls or TRAINERS[kind])(model_dir, args=config, train_dataset=data, **extra)
+    injector = FaultInjector(list(faults))
+    trainer.add_callback(injector)
+    trainer.fault_injector = injector
+    return trainer
+
+
+def nonfinite_in_checkpoints(output_dir: str) -> list[str]:
+    """Every tensor file of every checkpoint under `output_dir` that holds a NaN or Inf (empty when all clean)."""
+    bad = []
+    for path in glob.glob(os.path.join(output_dir, "**", "*.safetensors"), recursive=True):
+        if any(t.is_floating_point() and not torch.isfinite(t).all() for t in load_file(path).values()):
+            bad.append(path)
+    for path in glob.glob(os.path.join(output_dir, "**", "optimizer.pt"), recursive=True):
+        state = torch.load(path, weights_only=False)
+        tensors = [v for s in state["state"].values() for v in s.values() if torch.is_tensor(v)]
+        if any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
+            bad.append(path)
+    return bad
+
+
+def checkpoint_steps(output_dir: str) -> list[int]:
+    return sorted(int(p.rsplit("-", 1)[1]) for p in glob.glob(os.path.join(output_dir, "checkpoint-*")))
+
+
+def weights_finite(trainer) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())

@@ -1,0 +1,243 @@
+"""The NaN guard on each of the four trainers, single process: faults injected at chosen steps, real training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from guard_utils import checkpoint_steps, guarded_trainer, nonfinite_in_checkpoints, weights_finite
+
+import trl
+
+import safe_trainers as st
+from safe_trainers.faults import Fault
+from safe_trainers.mixin import SafeTrainerMixin
+from safe_trainers.guard import read_events
+
+
+KINDS = ["reward", "dpo", "kto", "grpo"]
+
+
+def model_for(toy_models, kind):
+    return toy_models["qwen2-rm" if kind == "reward" else "qwen2"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_loss_is_skipped(toy_models, tmp_path, kind):
+    trainer = guarded_trainer(kind, model_for(toy_models, kind), str(tmp_path), [Fault(step=6, kind="loss")])
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    events = read_events(str(tmp_path))
+    assert [(e["step"], e["kind"]) for e in events] == [(6, "skip")]
+    assert "loss" in events[0]["nonfinite"]
+    assert events[0]["first_nonfinite_module"]["module"].endswith("layers.1")  # where the fault was injected
+    assert trainer.state.global_step == 10 and weights_finite(trainer)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # it did train
+    assert trainer.nan_guard.skipped_steps == 1 and trainer.nan_guard.rollbacks == 0
+    logged = [h for h in trainer.state.log_history if h.get("step") == 6 and "loss" in h]
+    assert logged and logged[0]["loss"] != logged[0]["loss"]  # the NaN is visible in the logs, not hidden
+    assert trainer.state.log_history[-2]["nan_guard/skipped_steps"] == 1
+    assert checkpoint_steps(str(tmp_path)) == [4, 8, 10] and not nonfinite_in_checkpoints(str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inf_gradient_is_skipped(toy_models, tmp_path, kind):
+    fault = Fault(step=5, kind="grad", value=float("inf"))
+    trainer = guarded_trainer(kind, model_for(toy_models, kind), str(tmp_path), [fault])
+    trainer.train()
+    events = read_events(str(tmp_path))
+    assert [(e["step"], e["kind"], e["nonfinite"]) for e in events] == [(5, "skip", ["grad_norm"])]
+    assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_weight_rolls_back(toy_models, tmp_path, kind):
+    trainer = guarded_trainer(kind, model_for(toy_models, kind), str(tmp_path), [Fault(step=7, kind="weight")])
+    trainer.train()
+    events = read_events(str(tmp_path))
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["restored_step"] == 6
+    assert rollbacks[0]["learning_rate"] < 1e-3  # backed off
+    assert "weights_or_optimizer_state" in rollbacks[0]["nonfinite"]
+    assert trainer.state.global_step == 10 and weights_finite(trainer)
+    assert not nonfinite_in_checkpoints(str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_persistent_fault_aborts_with_last_good_checkpoint(toy_models, tmp_path, kind):
+    fault = Fault(step=3, kind="loss", repeat=1000)
+    trainer = guarded_trainer(kind, model_for(toy_models, kind), str(tmp_path), [fault], nan_max_rollbacks=2)
+    with pytest.raises(st.TrainingDivergedError, match="nan_max_rollbacks=2") as error:
+        trainer.train()
+    assert isinstance(error.value, RuntimeError)
+    checkpoint = error.value.checkpoint_dir
+    assert checkpoint and checkpoint.endswith("checkpoint-2") and os.path.isdir(checkpoint)
+    assert error.value.report_path and checkpoint in str(error.value) and error.value.report_path in str(error.value)
+    kinds = [e["kind"] for e in read_events(str(tmp_path))]
+    assert kinds.count("rollback") == 2 and kinds[-1] == "abort"
+    assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
+
+
+def bad_reward_at_step(step, value, first_only):
+    """A reward function that returns `value` at optimizer step `step` (for every completion, or the first only)."""
+
+    def reward(completions, trainer_state=None, **kwargs):
+        rewards = [float(len(c)) / 10 for c in completions]
+        if trainer_state.global_step + 1 == step:
+            rewards = [value] + rewards[1:] if first_only else [value] * len(completions)
+        return rewards
+
+    return reward
+
+
+@pytest.mark.parametrize(
+    "value,first_only,unscorable,expect_skip",
+    [
+        (None, False, True, False),  # whole groups unscorable: TRL zeroes their advantages, nothing reaches the loss
+        (float("nan"), True, False, False),  # one NaN reward: TRL's nan-aware statistics absorb it
+        (float("inf"), True, False, False),  # one Inf reward: TRL 1.16 zeroes the non-finite advantages too
+    ],
+)
+def test_grpo_nonfinite_rewards(toy_models, tmp_path, value, first_only, unscorable, expect_skip):
+    reward = bad_reward_at_step(4, value, first_only)
+    trainer = guarded_trainer("grpo", toy_models["qwen2"], str(tmp_path), reward_funcs=reward, max_steps=6)
+    trainer.train()
+    events = read_events(str(tmp_path))
+    reward_events = [e for e in events if e["kind"] == "reward"]
+    assert [e["step"] for e in reward_events] == [4]
+    assert (reward_events[0]["unscorable_groups"] > 0) == unscorable
+    assert any(e["kind"] == "skip" and e["step"] == 4 for e in events) == expect_skip
+    assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
+
+
+class NanAdvantageGRPO(st.GRPOTrainer):
+    """Advantages that come back NaN at step 4, as a custom advantage estimator might produce."""
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.state.global_step + 1 == 4:
+            output["advantages"] = output["advantages"] * float("nan")
+        return output
+
+
+def test_grpo_nan_advantages_are_skipped(toy_models, tmp_path):
+    trainer = guarded_trainer("grpo", toy_models["qwen2"], str(tmp_path), trainer_cls=NanAdvantageGRPO, max_steps=6)
+    trainer.train()
+    assert [(e["step"], e["kind"]) for e in read_events(str(tmp_path))] == [(4, "skip")]
+    assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
+
+
+class _SpikyDPO(trl.DPOTrainer):
+    """Multiplies the loss by 100 (finite) the first two times steps 12 and 13 run: a spike, not a NaN."""
+
+    spikes_left = 2
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.state.global_step + 1 in (12, 13) and self.spikes_left > 0 and model.training:
+            self.spikes_left -= 1
+            return loss * 100
+        return loss
+
+
+class SpikyDPOTrainer(SafeTrainerMixin, _SpikyDPO):
+    _safety_kind = "dpo"
+    _safety_config_class = st.DPOConfig
+    _trl_class = trl.DPOTrainer
+
+
+def test_loss_spike_rolls_back(toy_models, tmp_path):
+    trainer = guarded_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        str(tmp_path),
+        trainer_cls=SpikyDPOTrainer,
+        max_steps=16,
+        nan_spike_factor=3.0,
+        nan_spike_patience=2,
+    )
+    trainer.train()
+    events = read_events(str(tmp_path))
+    assert [(e["kind"], e["reason"], e["fault_step"], e["restored_step"]) for e in events] == [
+        ("rollback", "loss_spike", 13, 12)
+    ]
+    assert trainer.state.global_step == 16 and weights_finite(trainer)
+
+
+def test_guard_off_behaves_like_trl(toy_models, tmp_path):
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=3, kind="loss")], nan_guard=False)
+    trainer.train()
+    assert trainer.nan_guard is None and not read_events(str(tmp_path))
+    assert not weights_finite(trainer)  # stock behaviour: the NaN update reaches the weights
+
+
+def test_nonfinite_checkpoint_is_refused(toy_models, tmp_path):
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=2, save_steps=1)
+    trainer.train()
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("nan")
+    trainer.state.global_step = 3
+    trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+    assert checkpoint_steps(str(tmp_path)) == [1, 2]
+    assert read_events(str(tmp_path))[-1]["kind"] == "save_refused"
+
+
+def test_save_total_limit_keeps_clean_checkpoints(toy_models, tmp_path):
+    fault = Fault(step=3, kind="loss", repeat=1000)
+    trainer = guarded_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), [fault], save_steps=1, save_total_limit=1, nan_max_rollbacks=1
+    )
+    with pytest.raises(st.TrainingDivergedError) as error:
+        trainer.train()
+    # Steps 3-4 were skipped (weights unchanged, so checkpoint-4 is clean); the abort's checkpoint-2 (the last good
+    # state) is older than checkpoint-4 but exempt from rotation.
+    assert error.value.checkpoint_dir.endswith("checkpoint-2")
+    assert checkpoint_steps(str(tmp_path)) == [2, 4]
+    assert not nonfinite_in_checkpoints(str(tmp_path))
+
+
+KILL_SCRIPT = r"""
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from guard_utils import guarded_trainer
+from safe_trainers.faults import Fault
+
+class Killer:
+    def __init__(self, trainer):
+        original = trainer._save_optimizer_and_scheduler
+        def save(output_dir):
+            if trainer.state.global_step == 4:
+                os.kill(os.getpid(), signal.SIGKILL)  # dies halfway through writing checkpoint-4
+            return original(output_dir)
+        trainer._save_optimizer_and_scheduler = save
+
+trainer = guarded_trainer("dpo", {model!r}, {out!r}, [Fault(step=1, kind="loss")], save_steps=2, max_steps=6)
+Killer(trainer)
+trainer.train()
+"""
+
+
+def test_kill_during_save_leaves_previous_checkpoint_loadable(toy_models, tmp_path):
+    tests = os.path.dirname(__file__)
+    script = KILL_SCRIPT.format(tests=tests, model=toy_models["qwen2"], out=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(tests))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert checkpoint_steps(str(tmp_path)) == [2]  # checkpoint-4 was never published
+    assert os.listdir(os.path.join(str(tmp_path), ".safe_trainers_staging")) == ["checkpoint-4"]
+    with open(os.path.join(str(tmp_path), "checkpoint-2", "nan_guard_state.json")) as f:
+        assert json.load(f)["skipped_steps"] == 1
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(os.path.join(str(tmp_path), "checkpoint-2"))  # loadable
+
+    # Resume: the half-written checkpoint is cleaned up and the guard's counters come back.
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), save_steps=2, max_steps=6)
+    trainer.train(resume_from_checkpoint=True)
+    assert not os.path.exists(os.path.join(str(tmp_path), ".safe_trainers_staging"))
+    assert trainer.nan_guard.skipped_steps == 1 and trainer.state.global_step == 6
+    assert checkpoint_steps(str(tmp_path)) == [2, 4, 6] and not nonfinite_in_checkpoints(str(tmp_path))
