@@ -242,7 +242,7 @@ def main(kind: str, argv: list[str] | None = None):
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"safe_trainers: model saved to {training_args.output_dir}.")
     end = getattr(trainer, "end", None)  # transformers >= 5.18: finish trackers, destroy the process group
-    if end is not None and not os.environ.get("ST_NOEND"):
+    if end is not None:
         end()
     return trainer
 

@@ -55,6 +55,7 @@ class NanGuard:
         self.localized = False
         self.replaying = False
         self.aborting = False
+        self.damaged_ranks: list[int] = []
         self.snapshotter: Snapshotter | None = None
         self._reset_step()
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -181,6 +182,7 @@ class NanGuard:
         any_bad = any(r.bad for r in records)
         step = self.trainer.state.global_step
         snapshot_due = step % self.settings.nan_snapshot_steps == 0
+        self.damaged_ranks = []
         state_finite = self.state_is_finite() if (any_bad or snapshot_due or self.spike) else True
         verdict = judge_window(records, self.consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite)
         self.consecutive = verdict.consecutive
@@ -225,18 +227,19 @@ class NanGuard:
         return [StepRecord(s, l, n, b, tuple(r)) for s, l, n, b, r in zip(steps, losses, norms, bad, ranks)]
 
     def state_is_finite(self) -> bool:
-        """Whether the weights and optimizer state are finite on every rank (a host sync; not on the hot path)."""
+        """Whether the weights and optimizer state are finite on every rank (a host sync; not on the hot path).
+
+        The ranks whose own state is non-finite are kept in `self.damaged_ranks`.
+        """
         snap = self.snapshotter
         if snap is not None and snap.deepspeed_stage is not None:
             tensors = _deepspeed_tensors(snap.optimizer, snap.deepspeed_stage)
         else:
             opt = snap.optimizer if snap is not None else getattr(self.trainer.optimizer, "optimizer", None)
             tensors = list(self.trainer.model.parameters()) + (optimizer_tensors(opt) if opt is not None else [])
-        flag = all_finite(tensors).to(self.trainer.args.device)
-        if _distributed():
-            flag = flag.to(torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag)
+        finite = all_finite(tensors).to(self.trainer.args.device)
+        self.damaged_ranks = [rank for ranks in _ranks_with_flag((~finite).reshape(1)) for rank in ranks]
+        return not self.damaged_ranks
 
     # ------------------------------------------------------------------ actions
     def take_snapshot(self) -> None:
@@ -273,7 +276,7 @@ class NanGuard:
         }
         if diagnosis is not None:
             detail["first_nonfinite_module"] = diagnosis
-        ranks = sorted({rank for r in bad for rank in r.bad_ranks})
+        ranks = sorted({rank for r in bad for rank in r.bad_ranks} | set(self.damaged_ranks))
         self.events.add(NanEvent(current, "rollback", what, ranks, detail))
         logger.warning(
             f"NaN guard: rolled back from step {current} to step {snap.step} ({verdict.rollback}); the batches of "

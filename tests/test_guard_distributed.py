@@ -1,0 +1,109 @@
+"""The NaN guard across processes: DDP through `accelerate launch`, DeepSpeed ZeRO-3 through the `deepspeed` launcher.
+
+Two CPU ranks (gloo). The fault hits one rank only; both ranks must skip or roll back together and end with the same,
+finite weights. Checkpoints on disk must be clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from guard_utils import nonfinite_in_checkpoints
+
+from safe_trainers.guard import read_events
+from safe_trainers.toy import save_toy_model
+
+
+pytestmark = pytest.mark.distributed
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
+ZERO3 = {
+    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+    "bf16": {"enabled": "auto"},
+    "gradient_clipping": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(launcher: list[str], kind: str, faults: list[str], tmp_path, *extra: str, task="causal_lm") -> list[dict]:
+    model = save_toy_model(str(tmp_path / "model"), "qwen2", task=task)
+    out = str(tmp_path / "out")
+    cmd = launcher + [WORKER, "--kind", kind, "--model", model, "--out", out, *extra]
+    for fault in faults:
+        cmd += ["--fault", fault]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = []
+    for rank in (0, 1):
+        with open(os.path.join(out, f"result-rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+def accelerate_ddp() -> list[str]:
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+    ]  # fmt: skip
+
+
+def deepspeed_launcher() -> list[str]:
+    return [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
+
+
+def check_in_sync(results: list[dict], skipped: int, rollbacks: int, out) -> list[dict]:
+    assert [r["outcome"] for r in results] == ["finished", "finished"]
+    assert all(r["finite"] for r in results)
+    assert results[0]["checksum"] == results[1]["checksum"]  # the ranks did the same thing
+    assert [(r["skipped"], r["rollbacks"]) for r in results] == [(skipped, rollbacks)] * 2
+    assert not nonfinite_in_checkpoints(str(out))
+    return read_events(os.path.join(str(out), "run"))
+
+
+@pytest.mark.parametrize(
+    "kind,faults,expected",
+    [
+        # NaN loss on rank 1 only at step 3, NaN weight on rank 0 only at step 6. At step 6 TRL's DPO loss stays
+        # finite on rank 0 (only the gradient is NaN), so the skip names no rank; the rollback names the damaged one.
+        ("dpo", ["loss:3:1", "weight:6:0"], [(3, "skip", [1]), (6, "skip", []), (6, "rollback", [0])]),
+        ("kto", ["loss:3:1"], [(3, "skip", [1])]),
+        ("grpo", ["loss:3:1"], [(3, "skip", [1])]),
+        ("reward", ["grad:3:0:inf", "weight:6:1"], [(3, "skip", []), (6, "skip", [1]), (6, "rollback", [1])]),
+    ],
+)
+def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
+    extra = ["--lora"] if kind == "reward" else []
+    task = "seq_cls" if kind == "reward" else "causal_lm"
+    results = launch(accelerate_ddp(), kind, faults, tmp_path, *extra, task=task)
+    rollbacks = sum(1 for e in expected if e[1] == "rollback")
+    skips = sum(1 for e in expected if e[1] == "skip")
+    events = check_in_sync(results, skips, rollbacks, tmp_path / "out")
+    assert [(e["step"], e["kind"], e["ranks"]) for e in events] == expected
+    assert all(r["global_step"] == 8 for r in results)
+
+
+def test_deepspeed_zero3_fault_on_one_rank(tmp_path):
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps(ZERO3))
+    faults = ["loss:3:1", "weight:6:0"]  # the weight fault hits rank 0's own fp32 master shard
+    results = launch(deepspeed_launcher(), "dpo", faults, tmp_path, "--deepspeed", str(config))
+    events = check_in_sync(results, 1, 1, tmp_path / "out")
+    assert [(e["step"], e["kind"]) for e in events] == [(3, "skip"), (6, "rollback")]
+    assert events[0]["ranks"] == [1] and events[0]["first_nonfinite_module"]["rank"] == 1
+    assert events[1]["restored_step"] == 4 and "weights_or_optimizer_state" in events[1]["nonfinite"]
+    assert all(r["global_step"] == 8 for r in results)
