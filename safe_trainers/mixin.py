@@ -18,7 +18,7 @@ from .guard import NanGuard, NanGuardCallback
 from .guard.checkpoint import clean_staging, publish, staging_run_dir
 from .report import SafetyReport
 from .rules import BuiltTrainer
-from .setup import Hardware, TrainerSetup, load_deepspeed_config, read_model_config, resolve_model_class
+from .setup import TrainerSetup, build_setup
 
 
 logger = logging.getLogger("safe_trainers")
@@ -85,22 +85,13 @@ class SafeTrainerMixin:
                 name = get_config_model_id(model.config)
             suffix = {"reward": "Reward"}.get(self._safety_kind, self._safety_kind.upper())
             args = self._safety_config_class(f"{name.split('/')[-1]}-{suffix}")
-        model_config = read_model_config(
+        return build_setup(
+            self._safety_kind,
+            args,
             model,
-            trust_remote_code=getattr(args, "trust_remote_code", False),
-            revision=(getattr(args, "model_init_kwargs", None) or {}).get("revision"),
-        )
-        return TrainerSetup(
-            kind=self._safety_kind,
-            args=args,
-            model=model,
-            model_config=model_config,
-            model_class=resolve_model_class(self._safety_kind, model, model_config),
             ref_model=arguments.get("ref_model"),
             peft_config=arguments.get("peft_config"),
             train_dataset=arguments.get("train_dataset"),
-            deepspeed_config=load_deepspeed_config(getattr(args, "deepspeed", None)),
-            hardware=Hardware.detect(),
         )
 
     def _publish_safety_report(self) -> None:

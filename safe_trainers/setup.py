@@ -164,3 +164,33 @@ def _version(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def build_setup(
+    kind: str,
+    args: Any,
+    model: Any,
+    *,
+    ref_model: Any = None,
+    peft_config: Any = None,
+    train_dataset: Any = None,
+    hardware: Hardware | None = None,
+) -> TrainerSetup:
+    """Gather a [`TrainerSetup`] for `kind` from the trainer's arguments (reads `config.json`, loads no weight)."""
+    model_config = read_model_config(
+        model,
+        trust_remote_code=getattr(args, "trust_remote_code", False),
+        revision=(getattr(args, "model_init_kwargs", None) or {}).get("revision"),
+    )
+    return TrainerSetup(
+        kind=kind,
+        args=args,
+        model=model,
+        model_config=model_config,
+        model_class=resolve_model_class(kind, model, model_config),
+        ref_model=ref_model,
+        peft_config=peft_config,
+        train_dataset=train_dataset,
+        deepspeed_config=load_deepspeed_config(getattr(args, "deepspeed", None)),
+        hardware=hardware or Hardware.detect(),
+    )

@@ -11,10 +11,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from ..openrlhf import RULES as OPENRLHF_RULES
     from ..rules import DEFAULT_RULES
 
-    width = max(len(r.id) for r in DEFAULT_RULES)
-    for rule in DEFAULT_RULES:
-        kinds = ",".join(sorted(rule.trainers))
-        print(f"{rule.id:<{width}}  [{kinds}]  {rule.summary}")
+    sections = [("Trainer rules (safety_disable_rules / --safety_disable_rules)", DEFAULT_RULES)]
+    sections.append(("OpenRLHF shim rules (safe-trainers openrlhf --safety-disable-rules)", OPENRLHF_RULES))
+    for title, rules in sections:
+        print(title)
+        width = max(len(r.id) for r in rules)
+        for rule in rules:
+            kinds = ",".join(sorted(rule.trainers))
+            print(f"  {rule.id:<{width}}  [{kinds}]  {rule.summary}")
     return 0

@@ -280,7 +280,8 @@ class NanGuard:
         self.events.add(NanEvent(current, "rollback", what, ranks, detail))
         logger.warning(
             f"NaN guard: rolled back from step {current} to step {snap.step} ({verdict.rollback}); the batches of "
-            f"steps {snap.step + 1}-{current} are skipped and the learning rate is now {lr:.3g}."
+            f"step{'s' if current > snap.step + 1 else ''} {snap.step + 1}{f'-{current}' if current > snap.step + 1 else ''} "
+            f"are skipped and the learning rate is now {lr:.3g}."
         )
         self._pending.clear()
         self._batches.clear()
