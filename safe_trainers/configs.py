@@ -41,12 +41,20 @@ class GRPOConfig(SafetyArguments, trl.GRPOConfig):
 
     def __post_init__(self):
         validate_safety_arguments(self)
-        if self.safety_mode != "off" and GroupSize.id not in self.safety_disable_rules:
-            explicit_batch = self.generation_batch_size  # TRL derives it later when unset
-            problems = group_size_problems(self.num_generations, explicit_batch, self.temperature)
+        if self.safety_mode == "off" or GroupSize.id in self.safety_disable_rules:
+            return super().__post_init__()
+        problems = group_size_problems(self.num_generations, self.generation_batch_size, self.temperature)
+        if problems:
+            raise SafetyError([Finding(GroupSize.id, "blocked", " ".join(problems))])
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            # TRL derives the generation batch from the world size while validating; if that is what it rejected,
+            # answer with the rule's message (every bad setting and its fix), keeping TRL's error as the cause.
+            problems = group_size_problems(self.num_generations, self.generation_batch_size, self.temperature)
             if problems:
-                raise SafetyError([Finding(GroupSize.id, "blocked", " ".join(problems))])
-        super().__post_init__()
+                raise SafetyError([Finding(GroupSize.id, "blocked", " ".join(problems))]) from error
+            raise
 
 
 CONFIG_CLASSES: dict[str, type] = {"reward": RewardConfig, "dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig}

@@ -33,26 +33,44 @@ def run_stage(
 ) -> T:
     """Run `check` for each rule on `target`, record the findings in `report`, and return the updated target.
 
-    In `"fix"` mode each fixed finding is applied before the next rule runs, so later rules see earlier fixes. In
-    `"warn"` mode fixes are reported as warnings and nothing changes. In `"strict"` mode every finding blocks. Blocked
-    findings are collected and raised together as one [`SafetyError`] at the end of the stage.
+    First every rule checks the target as given: blocked findings (every finding in `"strict"` mode) are raised
+    together as one [`SafetyError`] before anything is changed, so a fix can never hide a blocking problem. Then, in
+    `"fix"` mode, the rules run again in order and each fix is applied before the next rule runs, so later rules see
+    earlier fixes. In `"warn"` mode fixes are reported as warnings and nothing changes.
     """
-    blocked = []
+    rules = list(rules)
+    strict = settings.safety_mode == "strict"
+    first = [f for f in (check(rule, target) for rule in rules) if f is not None]
+    blocked = [_as_blocked(f, strict) for f in first if strict or f.action == "blocked"]
+    if blocked:
+        raise SafetyError(blocked)
+    if settings.safety_mode == "warn":
+        for finding in first:
+            if finding.action == "fixed":
+                note = ' (not applied: `safety_mode="warn"`)'
+                finding = replace(finding, action="warned", message=finding.message + note)
+            report.findings.append(finding)
+        return target
+    late_blocked = []
     for rule in rules:
         finding = check(rule, target)
         if finding is None:
             continue
-        if settings.safety_mode == "strict" or finding.action == "blocked":
-            finding = replace(finding, action="blocked")
-            blocked.append(finding)
-        elif settings.safety_mode == "warn" and finding.action == "fixed":
-            finding = replace(finding, action="warned", message=finding.message + " (not applied: `safety_mode=\"warn\"`)")
+        if finding.action == "blocked":  # only reachable when an earlier fix created the problem
+            late_blocked.append(finding)
         elif finding.action == "fixed":
             target = apply(target, finding)
         report.findings.append(finding)
-    if blocked:
-        raise SafetyError(blocked)
+    if late_blocked:
+        raise SafetyError(late_blocked)
     return target
+
+
+def _as_blocked(finding: Finding, strict: bool) -> Finding:
+    if finding.action == "blocked":
+        return finding
+    suffix = ' (not applied: `safety_mode="strict"` raises instead of fixing)' if strict else ""
+    return replace(finding, action="blocked", message=finding.message + suffix)
 
 
 def skipped_findings(disabled: Iterable[Rule]) -> list[Finding]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -45,6 +46,17 @@ class SafeTrainerMixin:
     _trl_class: ClassVar[type]
     safety_report: SafetyReport
 
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        trl_class = cls.__dict__.get("_trl_class")
+        if trl_class is not None and "__init__" not in cls.__dict__:
+            # Give each trainer TRL's own signature and docstring (IDEs, `inspect.signature`, docs).
+            @functools.wraps(trl_class.__init__)
+            def __init__(self, *args: Any, **kwargs: Any):
+                SafeTrainerMixin.__init__(self, *args, **kwargs)
+
+            cls.__init__ = __init__
+
     def __init__(self, *args: Any, **kwargs: Any):
         bound = inspect.signature(self._trl_class.__init__).bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
@@ -55,6 +67,8 @@ class SafeTrainerMixin:
         report = new_report(self._safety_kind, settings, disabled)
         if settings.safety_mode != "off":
             setup = run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
+        source = setup.train_dataset
+        source_rows = len(source) if source is not None and hasattr(source, "__len__") else None
         arguments["args"] = setup.args
         if "peft_config" in arguments or setup.peft_config is not None:
             arguments["peft_config"] = setup.peft_config
@@ -64,7 +78,8 @@ class SafeTrainerMixin:
         self.safety_settings = settings
         self.safety_report = report
         if settings.safety_mode != "off":
-            run_stage(self, enabled, settings, report, check=_check_built, apply=apply_to_trainer)
+            check_built = functools.partial(_check_built, source_rows=source_rows)
+            run_stage(self, enabled, settings, report, check=check_built, apply=apply_to_trainer)
         self._publish_safety_report()
         self.nan_guard = NanGuard(self, settings) if settings.nan_guard else None
         if self.nan_guard is not None:
@@ -198,12 +213,13 @@ class SafeTrainerMixin:
         super().log(logs, *args, **kwargs)
 
 
-def _check_built(rule, trainer) -> Any:
+def _check_built(rule, trainer, source_rows: int | None = None) -> Any:
     built = BuiltTrainer(
         kind=trainer._safety_kind,
         args=trainer.args,
         model=trainer.model,
         train_dataset=trainer.train_dataset,
+        source_rows=source_rows,
         peft_config=getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default"),
     )
     return rule.check_built(built)

@@ -10,6 +10,7 @@ locally (no network), so `accelerate launch launch/train_dpo.py` works on a fres
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -193,7 +194,8 @@ def use_toy_defaults(kind: str, script_args: ScriptArguments, model_args: ModelC
     task = "seq_cls" if kind == "reward" else "causal_lm"
     with PartialState().local_main_process_first():
         if PartialState().is_local_main_process:
-            toy.save_toy_model(path, task=task)
+            with _zero3_init_disabled():
+                toy.save_toy_model(path, task=task)
     if training_args.process_index == 0:
         logger.warning(
             f"safe_trainers: no `model_name_or_path` and no `dataset_name`, so training the tiny toy model saved at "
@@ -203,11 +205,40 @@ def use_toy_defaults(kind: str, script_args: ScriptArguments, model_args: ModelC
     return True
 
 
+@contextlib.contextmanager
+def _zero3_init_disabled():
+    """Build a model outside DeepSpeed ZeRO-3's `zero.Init`: a ZeRO-3 config (from `--deepspeed` or an accelerate
+    config) makes `from_config` partition the weights across ranks, but the toy model is built by one process."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def _share_process_group_with_deepspeed(training_args: Any) -> None:
+    """With `use_cpu=True`, transformers sets up a plain (gloo) process group and leaves DeepSpeed's communication
+    layer uninitialised, so ZeRO-3 would partition the weights for a world of one process when the model is loaded.
+    Hand the existing process group to DeepSpeed (no-op on GPUs, without DeepSpeed, or when it is already done)."""
+    import torch.distributed as dist
+
+    if not (training_args.deepspeed and training_args.use_cpu and dist.is_available() and dist.is_initialized()):
+        return
+    import deepspeed
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
 def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, model_args: ModelConfig):
     """The `safe_trainers` trainer of `kind` for parsed arguments (toy defaults, model, PEFT, data, rewards)."""
     import safe_trainers
     from trl import get_quantization_config
 
+    _share_process_group_with_deepspeed(training_args)
     use_toy_defaults(kind, script_args, model_args, training_args)
     model, training_args, peft_config = model_and_peft(kind, model_args, training_args)
     kwargs: dict[str, Any] = dict(

@@ -97,13 +97,16 @@ def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
     assert all(r["global_step"] == 8 for r in results)
 
 
-def test_deepspeed_zero3_fault_on_one_rank(tmp_path):
-    config = tmp_path / "zero3.json"
-    config.write_text(json.dumps(ZERO3))
+@pytest.mark.parametrize("stage,damaged", [(3, [0]), (2, [0, 1])])
+def test_deepspeed_zero_fault_on_one_rank(tmp_path, stage, damaged):
+    config = tmp_path / f"zero{stage}.json"
+    config.write_text(json.dumps({**ZERO3, "zero_optimization": {"stage": stage}}))
     faults = ["loss:3:1", "weight:6:0"]  # the weight fault hits rank 0's own fp32 master shard
     results = launch(deepspeed_launcher(), "dpo", faults, tmp_path, "--deepspeed", str(config))
     events = check_in_sync(results, 1, 1, tmp_path / "out")
     assert [(e["step"], e["kind"]) for e in events] == [(3, "skip"), (6, "rollback")]
     assert events[0]["ranks"] == [1] and events[0]["first_nonfinite_module"]["rank"] == 1
-    assert events[1]["restored_step"] == 4 and "weights_or_optimizer_state" in events[1]["nonfinite"]
+    # ZeRO-3 keeps the damage in rank 0's shard; ZeRO-2 all-gathers the 16-bit weights, so both ranks see it.
+    assert events[1]["restored_step"] == 4 and events[1]["ranks"] == damaged
+    assert "weights_or_optimizer_state" in events[1]["nonfinite"]
     assert all(r["global_step"] == 8 for r in results)

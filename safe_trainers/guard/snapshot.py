@@ -206,9 +206,10 @@ def _restore_deepspeed(optimizer: Any, stage: int, saved: dict[str, Any]) -> Non
         optimizer.checkpoint_event_epilogue()
         return
     optimizer.optimizer.load_state_dict(saved["base"])
-    for i, (live, host) in enumerate(zip(optimizer.single_partition_of_fp32_groups, saved["fp32"])):
+    for live, host in zip(optimizer.single_partition_of_fp32_groups, saved["fp32"]):
         live.data.copy_(host)
-        optimizer._update_model_bit16_weights(i)
+    # fp32 partition -> this rank's 16-bit partition -> all-gathered into every rank's 16-bit weights.
+    optimizer.update_lp_params()
 
 
 def _rng_state() -> dict[str, Any]:

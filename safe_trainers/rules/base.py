@@ -21,6 +21,7 @@ class BuiltTrainer:
         model (`PreTrainedModel | PeftModel`): the model being trained, after PEFT wrapping.
         train_dataset (`Dataset | IterableDataset | None`): the training dataset after TRL's tokenization.
         peft_config (`PeftConfig | None`): the PEFT config the trainer used.
+        source_rows (`int | None`): the number of rows of the training dataset as passed, before TRL's preprocessing.
     """
 
     kind: str
@@ -28,6 +29,7 @@ class BuiltTrainer:
     model: Any
     train_dataset: Any = None
     peft_config: Any = None
+    source_rows: int | None = None
 
 
 class Rule:
@@ -57,7 +59,8 @@ class Rule:
 
     # Helpers so that rules read like the reports they produce.
     def fixed(self, message: str, *changes: Change, **data: Any) -> Finding:
-        return Finding(self.id, "fixed", message, tuple(changes), data)
+        """A fix; changes that leave a value as it was are dropped, so the report lists only real changes."""
+        return Finding(self.id, "fixed", message, tuple(c for c in changes if c.old != c.new), data)
 
     def warned(self, message: str, **data: Any) -> Finding:
         return Finding(self.id, "warned", message, (), data)

@@ -61,25 +61,42 @@ class NoLossTokens(Rule):
     rationale = "https://github.com/OpenRLHF/OpenRLHF/commit/0fdee11b"
 
     def check_built(self, built: BuiltTrainer) -> Finding | None:
-        counts = token_counts(built.train_dataset, TOKENIZED_COLUMNS[built.kind])
-        if counts is None:
+        dataset = built.train_dataset
+        if dataset is None or not hasattr(dataset, "__len__"):
             return None
         max_length = getattr(built.args, "max_length", None)
-        mode = getattr(built.args, "truncation_mode", "keep_start")
-        bad = rows_without_loss_tokens(built.kind, counts, max_length, mode)
-        if not bad:
-            return None
-        total = len(next(iter(counts.values())))
-        cause = f" with `max_length={max_length}`" if max_length is not None else ""
-        if len(bad) == total:
-            return self.blocked(
-                f"all {total} training examples have no completion token left after tokenization{cause} (the prompt "
-                "fills the sequence, or the completion is empty), so every loss is a mean over nothing (NaN). Raise "
-                "`max_length`, shorten the prompts, or check the completion column."
-            )
-        return self.fixed(
-            f"{len(bad)} of {total} training examples have no completion token left after tokenization{cause}; "
-            f"their loss would be NaN (a mean over zero tokens). Dropped them (first: row {bad[0]}).",
-            Change("train_dataset.num_rows", total, total - len(bad)),
-            drop_rows=bad,
+        cause = f"the prompt fills `max_length={max_length}`, or the completion is empty" if max_length else (
+            "the completion is empty"
         )
+        source = built.source_rows
+        if len(dataset) == 0:
+            if source:
+                return self.blocked(
+                    f"all {source} training examples were dropped during tokenization ({cause}), so there is "
+                    "nothing to train on. Raise `max_length`, shorten the prompts, or check the completion column."
+                )
+            return None
+        counts = token_counts(dataset, TOKENIZED_COLUMNS[built.kind])
+        bad = rows_without_loss_tokens(built.kind, counts, max_length, getattr(built.args, "truncation_mode", "keep_start")) if counts else []
+        total = len(dataset)
+        dropped_upstream = (source - total) if source is not None and source > total else 0
+        if bad and len(bad) == total:
+            return self.blocked(
+                f"all {total} training examples have no completion token left after tokenization ({cause}), so "
+                "every loss is a mean over nothing (NaN). Raise `max_length`, shorten the prompts, or check the "
+                "completion column."
+            )
+        if bad:
+            note = f" TRL's preprocessing had already dropped {dropped_upstream}." if dropped_upstream else ""
+            return self.fixed(
+                f"{len(bad)} of {total} training examples have no completion token left after tokenization ({cause}); "
+                f"their loss would be NaN (a mean over zero tokens). Dropped them (first: row {bad[0]}).{note}",
+                Change("train_dataset.num_rows", total, total - len(bad)),
+                drop_rows=bad,
+            )
+        if dropped_upstream:
+            return self.warned(
+                f"{dropped_upstream} of {source} training examples were dropped by TRL's preprocessing (for example "
+                f"{cause}); {total} remain."
+            )
+        return None
