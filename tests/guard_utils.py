@@ -18,7 +18,14 @@ TRAINERS = {"reward": st.RewardTrainer, "dpo": st.DPOTrainer, "kto": st.KTOTrain
 
 
 def guarded_trainer(
-    kind: str, model_dir: str, output_dir: str, faults: list[Fault] = (), reward_funcs=None, trainer_cls=None, **overrides
+    kind: str,
+    model_dir: str,
+    output_dir: str,
+    faults: list[Fault] = (),
+    reward_funcs=None,
+    trainer_cls=None,
+    peft_config=None,
+    **overrides,
 ):
     """A safe trainer of `kind` on a toy model, saving every 4 steps, with a `FaultInjector` attached."""
     args = dict(
@@ -42,6 +49,8 @@ def guarded_trainer(
     config = CONFIGS[kind](**args)
     data = dataset_for(kind, 2 * config.max_steps * 4)
     extra = {"reward_funcs": reward_funcs or count_words_reward} if kind == "grpo" else {}
+    if peft_config is not None:
+        extra["peft_config"] = peft_config
     trainer = (trainer_cls or TRAINERS[kind])(model_dir, args=config, train_dataset=data, **extra)
     injector = FaultInjector(list(faults))
     trainer.add_callback(injector)

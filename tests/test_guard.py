@@ -67,6 +67,20 @@ def test_nan_weight_rolls_back(toy_models, tmp_path, kind):
     assert not nonfinite_in_checkpoints(str(tmp_path))
 
 
+@pytest.mark.parametrize("kind", ["reward", "dpo"])
+def test_lora_nan_loss_and_nan_adapter_weight(toy_models, tmp_path, kind):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS" if kind == "reward" else None)
+    faults = [Fault(step=3, kind="loss"), Fault(step=7, kind="weight")]  # the weight is a LoRA matrix here
+    trainer = guarded_trainer(kind, model_for(toy_models, kind), str(tmp_path), faults, peft_config=lora)
+    trainer.train()
+    events = [(e["step"], e["kind"]) for e in read_events(str(tmp_path))]
+    assert events == [(3, "skip"), (7, "skip"), (7, "rollback")]
+    assert weights_finite(trainer) and trainer.state.global_step == 10
+    assert not nonfinite_in_checkpoints(str(tmp_path))  # adapter_model.safetensors included
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_persistent_fault_aborts_with_last_good_checkpoint(toy_models, tmp_path, kind):
     fault = Fault(step=3, kind="loss", repeat=1000)
