@@ -217,10 +217,12 @@ class NanGuard:
     def _read_pending(self) -> list[StepRecord]:
         pending, self._pending = self._pending, []
         steps = [p[0] for p in pending]
-        bad = torch.stack([p[1] for p in pending]).cpu().tolist()  # the one host transfer of an inspection
         local = torch.stack([p[2] for p in pending])
-        losses = torch.stack([p[3] for p in pending]).cpu().tolist()
-        norms = torch.stack([p[4] for p in pending]).cpu().tolist()
+        table = torch.stack(
+            [torch.stack([p[1].float(), p[3].float(), p[4].float()]) for p in pending]
+        ).cpu()  # the one device-to-host transfer of an inspection
+        bad = [bool(flag) for flag in table[:, 0].tolist()]
+        losses, norms = table[:, 1].tolist(), table[:, 2].tolist()
         ranks = [[] for _ in pending]
         if any(bad):
             ranks = _ranks_with_flag(local)
