@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import TrainingDivergedError
 from .checkpoint import all_finite, optimizer_tensors
+from .collectives import agree_any, distributed, ranks_with_flag
 from .events import EventLog, NanEvent
 from .localize import first_nonfinite_module
 from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window
@@ -131,10 +132,7 @@ class NanGuard:
         if self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None:
             # DeepSpeed has already stepped (inside `backward`); it skips steps with a non-finite gradient norm.
             bad = bad | torch.tensor(bool(self.trainer.accelerator.optimizer_step_was_skipped), device=local.device)
-        if _distributed():
-            flag = bad.to(torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            bad = flag.bool()
+        bad = agree_any(bad)
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
         step = self.trainer.state.global_step + 1
         self._pending.append((step, bad, local, loss, norm))
@@ -225,7 +223,7 @@ class NanGuard:
         losses, norms = table[:, 1].tolist(), table[:, 2].tolist()
         ranks = [[] for _ in pending]
         if any(bad):
-            ranks = _ranks_with_flag(local)
+            ranks = ranks_with_flag(local)
         return [StepRecord(s, l, n, b, tuple(r)) for s, l, n, b, r in zip(steps, losses, norms, bad, ranks)]
 
     def state_is_finite(self) -> bool:
@@ -240,7 +238,7 @@ class NanGuard:
             opt = snap.optimizer if snap is not None else getattr(self.trainer.optimizer, "optimizer", None)
             tensors = list(self.trainer.model.parameters()) + (optimizer_tensors(opt) if opt is not None else [])
         finite = all_finite(tensors).to(self.trainer.args.device)
-        self.damaged_ranks = [rank for ranks in _ranks_with_flag((~finite).reshape(1)) for rank in ranks]
+        self.damaged_ranks = [rank for ranks in ranks_with_flag((~finite).reshape(1)) for rank in ranks]
         return not self.damaged_ranks
 
     # ------------------------------------------------------------------ actions
@@ -366,27 +364,13 @@ class NanGuard:
         finally:
             self.replaying = False
         result["rank"] = trainer.args.process_index
-        if _distributed():
+        if distributed():
             # Each rank replayed its own batch: report the rank where the forward pass went non-finite.
             results: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(results, result)
             result = next((r for r in results if r.get("module")), results[0])
         result["step"] = step
         return result
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _ranks_with_flag(local: torch.Tensor) -> list[list[int]]:
-    """For each step, the ranks whose local loss flag is set (all ranks take part: a collective)."""
-    if not _distributed():
-        return [[0] if flag else [] for flag in local.cpu().tolist()]
-    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local.contiguous())
-    table = torch.stack(gathered).cpu().tolist()  # [rank][step]
-    return [[rank for rank, flags in enumerate(table) if flags[i]] for i in range(local.shape[0])]
 
 
 def _deepspeed_tensors(optimizer: Any, stage: int) -> list[torch.Tensor]:

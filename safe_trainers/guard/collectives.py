@@ -1,0 +1,29 @@
+"""The few collectives the NaN guard needs, all no-ops in a single process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def ranks_with_flag(local: torch.Tensor) -> list[list[int]]:
+    """For each step, the ranks whose local loss flag is set (all ranks take part: a collective)."""
+    if not distributed():
+        return [[0] if flag else [] for flag in local.cpu().tolist()]
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local.contiguous())
+    table = torch.stack(gathered).cpu().tolist()  # [rank][step]
+    return [[rank for rank, flags in enumerate(table) if flags[i]] for i in range(local.shape[0])]
+
+
+def agree_any(flag: torch.Tensor) -> torch.Tensor:
+    """`flag` OR-ed across ranks, on the device (a one-element all-reduce; no host synchronisation)."""
+    if not distributed():
+        return flag
+    value = flag.to(torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.bool()
