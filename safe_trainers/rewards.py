@@ -106,8 +106,8 @@ def load_reward_funcs(names: list[str]) -> list[RewardFunc | str]:
     a reward-model path (GRPO scores with it)."""
     if not names:
         raise ValueError(
-            f"`reward_funcs` is empty: GRPO needs at least one reward. Use a built-in name ({', '.join(BUILTIN_REWARDS)}) "
-            "or a `module:function` path."
+            "`reward_funcs` is empty: GRPO needs at least one reward. Use a built-in name "
+            f"({', '.join(BUILTIN_REWARDS)}) or a `module:function` path."
         )
     return [name if os.path.isdir(name) else load_reward_func(name) for name in names]
 

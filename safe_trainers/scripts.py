@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trl
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
@@ -24,6 +24,10 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from . import toy
 from .configs import CONFIG_CLASSES
 from .rewards import BUILTIN_REWARDS, load_reward_funcs
+
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 
 logger = logging.getLogger("safe_trainers")
@@ -233,7 +237,7 @@ def _share_process_group_with_deepspeed(training_args: Any) -> None:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
-def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, model_args: ModelConfig):
+def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, model_args: ModelConfig) -> Trainer:
     """The `safe_trainers` trainer of `kind` for parsed arguments (toy defaults, model, PEFT, data, rewards)."""
     import safe_trainers
     from trl import get_quantization_config
@@ -261,7 +265,7 @@ def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, m
     return trainer_class(**kwargs)
 
 
-def main(kind: str, argv: list[str] | None = None):
+def main(kind: str, argv: list[str] | None = None) -> Trainer:
     """Parse `argv`, build the `safe_trainers` trainer of `kind`, train, save to `output_dir`, and return the trainer.
 
     The process group is destroyed at the end (`trainer.end()`), so the returned trainer is for reading its state
@@ -272,6 +276,9 @@ def main(kind: str, argv: list[str] | None = None):
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"safe_trainers: model saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    trainer.accelerator.wait_for_everyone()  # every rank is done before the process group goes away
     end = getattr(trainer, "end", None)  # transformers >= 5.18: finish trackers, destroy the process group
     if end is not None:
         end()

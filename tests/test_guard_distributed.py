@@ -23,6 +23,7 @@ from safe_trainers.toy import save_toy_model
 pytestmark = pytest.mark.distributed
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
+EXIT_RACE = "terminate called without an active exception"
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
     "bf16": {"enabled": "auto"},
@@ -47,7 +48,11 @@ def launch(launcher: list[str], kind: str, faults: list[str], tmp_path, *extra: 
         cmd += ["--fault", fault]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    finished = all(os.path.exists(os.path.join(out, f"result-rank{rank}.json")) for rank in (0, 1))
+    # A rare abort of a gloo rank while the interpreter exits, after all work is done and written (see
+    # tests/test_launch.py): accepted only in that exact form, with both ranks' results on disk.
+    exit_race = done.returncode != 0 and EXIT_RACE in done.stderr and finished
+    assert done.returncode == 0 or exit_race, (done.stdout + done.stderr)[-4000:]
     results = []
     for rank in (0, 1):
         with open(os.path.join(out, f"result-rank{rank}.json")) as f:

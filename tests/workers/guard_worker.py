@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     }
     with open(os.path.join(ns.out, f"result-rank{state.process_index}.json"), "w") as f:
         json.dump(result, f)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # destroys the process group before the interpreter exits
     return 0
 
 
