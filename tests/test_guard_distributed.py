@@ -105,7 +105,9 @@ def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
 @pytest.mark.parametrize("stage,damaged", [(3, [0]), (2, [0, 1])])
 def test_deepspeed_zero_fault_on_one_rank(tmp_path, stage, damaged):
     config = tmp_path / f"zero{stage}.json"
-    config.write_text(json.dumps({**ZERO3, "zero_optimization": {"stage": stage}}))
+    # Persistence threshold 0: ZeRO-3 partitions even this tiny model's weights instead of keeping them whole.
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    config.write_text(json.dumps({**ZERO3, "zero_optimization": zero}))
     faults = ["loss:3:1", "weight:6:0"]  # the weight fault hits rank 0's own fp32 master shard
     results = launch(deepspeed_launcher(), "dpo", faults, tmp_path, "--deepspeed", str(config))
     events = check_in_sync(results, 1, 1, tmp_path / "out")
