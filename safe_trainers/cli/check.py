@@ -21,9 +21,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", required=True, help="A YAML config, as taken by `launch/train_<trainer>.py`.")
     parser.add_argument("--model", default=None, help="Model path or id (overrides `model_name_or_path`).")
     parser.set_defaults(run=run)
+    parser.epilog = "Exit codes: 0 no finding, 1 `safety_mode=strict` would fail, 2 the config itself is invalid."
 
 
 def run(ns: argparse.Namespace) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes drown the report
     from ..engine import new_report, run_stage, select_rules
     from ..apply import apply_to_setup
     from ..arguments import SafetyArguments
@@ -34,7 +38,11 @@ def run(ns: argparse.Namespace) -> int:
     overrides = list(ns.passthrough)
     if ns.model:
         overrides += ["--model_name_or_path", ns.model]
-    _, training_args, model_args = parse_args(ns.trainer, ["--config", ns.config, *overrides])
+    try:
+        _, training_args, model_args = parse_args(ns.trainer, ["--config", ns.config, *overrides])
+    except (ValueError, OSError) as error:  # the config itself is invalid (TRL's or transformers' own checks)
+        print(f"safe-trainers check: `{ns.config}` is not a valid {ns.trainer} config: {error}", file=sys.stderr)
+        return 2
     model, training_args, peft_config = model_and_peft(ns.trainer, model_args, training_args)
     setup = build_setup(ns.trainer, training_args, model, peft_config=peft_config)
     settings = SafetyArguments.from_config(training_args)
