@@ -21,9 +21,11 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for guard_utils
+
 import safe_trainers as st  # noqa: E402
-from safe_trainers.faults import Fault, FaultInjector  # noqa: E402
-from safe_trainers.toy import count_words_reward, dataset_for  # noqa: E402
+from guard_utils import guarded_trainer  # noqa: E402
+from safe_trainers.faults import Fault  # noqa: E402
 
 
 def parse(argv=None):
@@ -48,47 +50,29 @@ def main(argv=None) -> int:
 
         deepspeed.init_distributed()
     state = PartialState()
-    model_dir = ns.model  # written by the test before launching, so no rank races another to create it
-    common = dict(
-        output_dir=os.path.join(ns.out, "run"),
-        max_steps=ns.max_steps,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=4,
-        report_to="none",
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-        use_cpu=not torch.cuda.is_available(),
-        nan_snapshot_steps=2,
-        nan_max_rollbacks=ns.max_rollbacks,
-        deepspeed=ns.deepspeed,
-        seed=0,
-    )
-    kwargs = {}
-    if ns.lora:
-        from peft import LoraConfig
-
-        kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    n = 8 * ns.max_steps * max(state.num_processes, 1)
-    if ns.kind == "reward":
-        trainer = st.RewardTrainer(model_dir, args=st.RewardConfig(**common), train_dataset=dataset_for("reward", n), **kwargs)
-    elif ns.kind == "dpo":
-        trainer = st.DPOTrainer(model_dir, args=st.DPOConfig(**common), train_dataset=dataset_for("dpo", n), **kwargs)
-    elif ns.kind == "kto":
-        trainer = st.KTOTrainer(model_dir, args=st.KTOConfig(**common), train_dataset=dataset_for("kto", n), **kwargs)
-    else:
-        config = st.GRPOConfig(num_generations=2, max_completion_length=6, **common)
-        trainer = st.GRPOTrainer(model_dir, reward_funcs=count_words_reward, args=config, train_dataset=dataset_for("grpo", n), **kwargs)
     faults = []
     for spec in ns.fault:
         parts = spec.split(":")
         rank = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
         value = float(parts[3]) if len(parts) > 3 else float("nan")
         faults.append(Fault(step=int(parts[1]), kind=parts[0], rank=rank, value=value))
-    injector = FaultInjector(faults)
-    trainer.add_callback(injector)
+    peft_config = None
+    if ns.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    # ns.model was written by the test before launching, so no rank races another to create it.
+    trainer = guarded_trainer(
+        ns.kind,
+        ns.model,
+        os.path.join(ns.out, "run"),
+        faults,
+        peft_config=peft_config,
+        max_steps=ns.max_steps,
+        nan_max_rollbacks=ns.max_rollbacks,
+        deepspeed=ns.deepspeed,
+    )
+    injector = trainer.fault_injector
     outcome = "finished"
     try:
         trainer.train()
