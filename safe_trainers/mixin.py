@@ -73,6 +73,10 @@ class SafeTrainerMixin:
         if "peft_config" in arguments or setup.peft_config is not None:
             arguments["peft_config"] = setup.peft_config
 
+        # Set before TRL's constructor runs, since the hooks below read them.
+        self.nan_guard: NanGuard | None = None
+        self._staging_checkpoint = False
+        self._last_finite_total_loss = 0.0
         super().__init__(**arguments)
 
         self.safety_settings = settings
@@ -81,11 +85,9 @@ class SafeTrainerMixin:
             check_built = functools.partial(_check_built, source_rows=source_rows)
             run_stage(self, enabled, settings, report, check=check_built, apply=apply_to_trainer)
         self._publish_safety_report()
-        self.nan_guard = NanGuard(self, settings) if settings.nan_guard else None
-        if self.nan_guard is not None:
+        if settings.nan_guard:
+            self.nan_guard = NanGuard(self, settings)
             self.add_callback(NanGuardCallback(self.nan_guard))
-        self._staging_checkpoint = False
-        self._last_finite_total_loss = 0.0
 
     def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
         model = arguments.get("model")
