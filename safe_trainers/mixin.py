@@ -172,7 +172,7 @@ class SafeTrainerMixin:
         if guard is None:
             return super()._save_checkpoint(model, trial)
         step = self.state.global_step
-        if not guard.state_is_finite():
+        if not guard.state_verified():
             guard.refuse_save(step)
             return
         run_dir = self._get_output_dir(trial)

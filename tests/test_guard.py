@@ -91,8 +91,14 @@ def test_persistent_fault_aborts_with_last_good_checkpoint(toy_models, tmp_path,
     checkpoint = error.value.checkpoint_dir
     assert checkpoint and checkpoint.endswith("checkpoint-2") and os.path.isdir(checkpoint)
     assert error.value.report_path and checkpoint in str(error.value) and error.value.report_path in str(error.value)
-    kinds = [e["kind"] for e in read_events(str(tmp_path))]
+    events = read_events(str(tmp_path))
+    kinds = [e["kind"] for e in events]
     assert kinds.count("rollback") == 2 and kinds[-1] == "abort"
+    # The first rollback goes from step 5 back to step 2, further than `nan_snapshot_steps=2`: every dropped
+    # step's batch is still listed.
+    first = next(e for e in events if e["kind"] == "rollback")
+    assert (first["step"], first["restored_step"]) == (5, 2)
+    assert [b["first_micro_batch"] for b in first["skipped_batches"]] == [2, 3, 4]
     assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
 
 

@@ -57,6 +57,7 @@ class NanGuard:
         self.replaying = False
         self.aborting = False
         self.damaged_ranks: list[int] = []
+        self.verified_step = -1
         self.snapshotter: Snapshotter | None = None
         self._reset_step()
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -140,8 +141,7 @@ class NanGuard:
         first = self._micro_batches_seen - len(self._step_inputs)
         self._batch_positions[step] = (first, self._micro_batches_seen - 1)
         for old in [s for s in self._batches if s <= step - self.settings.nan_snapshot_steps]:
-            del self._batches[old]
-            self._batch_positions.pop(old, None)
+            del self._batches[old]  # batch references (memory) are kept for the last steps only
         self._bad_now = bad
         self._reset_step()
         return bad
@@ -181,7 +181,7 @@ class NanGuard:
         step = self.trainer.state.global_step
         snapshot_due = step % self.settings.nan_snapshot_steps == 0
         self.damaged_ranks = []
-        state_finite = self.state_is_finite() if (any_bad or snapshot_due or self.spike) else True
+        state_finite = self.state_is_finite() if (any_bad or snapshot_due) else True
         verdict = judge_window(records, self.consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite)
         self.consecutive = verdict.consecutive
         diagnosis = None
@@ -239,12 +239,21 @@ class NanGuard:
             tensors = list(self.trainer.model.parameters()) + (optimizer_tensors(opt) if opt is not None else [])
         finite = all_finite(tensors).to(self.trainer.args.device)
         self.damaged_ranks = [rank for ranks in ranks_with_flag((~finite).reshape(1)) for rank in ranks]
+        if not self.damaged_ranks:
+            self.verified_step = self.trainer.state.global_step
         return not self.damaged_ranks
+
+    def state_verified(self) -> bool:
+        """Whether the state is known finite at this step (checked now unless an inspection already did)."""
+        return self.verified_step == self.trainer.state.global_step or self.state_is_finite()
 
     # ------------------------------------------------------------------ actions
     def take_snapshot(self) -> None:
         trainer = self.trainer
-        self.snapshotter.take(trainer.state, trainer.lr_scheduler, trainer.accelerator.scaler, self.lr_scale)
+        snap = self.snapshotter.take(trainer.state, trainer.lr_scheduler, trainer.accelerator.scaler, self.lr_scale)
+        # A rollback never goes further back than this snapshot: older batch positions are no longer needed.
+        for old in [s for s in self._batch_positions if s <= snap.step]:
+            del self._batch_positions[old]
 
     def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
         trainer = self.trainer
@@ -256,6 +265,7 @@ class NanGuard:
         )
         self.rollbacks += 1
         self.consecutive = 0
+        self.verified_step = -1
         if self.spike is not None:
             self.spike.reset()
         # The loss accumulated since the last log belongs to steps that no longer exist.
