@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 import trl
 
 from .configs import DPOConfig, GRPOConfig, KTOConfig, RewardConfig
+from .generation import OnlineGenerationMixin
 from .mixin import SafeTrainerMixin
 
 
@@ -53,21 +53,9 @@ class KTOTrainer(SafeTrainerMixin, trl.KTOTrainer):
     _trl_class = trl.KTOTrainer
 
 
-class GRPOTrainer(SafeTrainerMixin, trl.GRPOTrainer):
+class GRPOTrainer(SafeTrainerMixin, OnlineGenerationMixin, trl.GRPOTrainer):
     """[`~trl.GRPOTrainer`] with construction-time safety rules and the NaN guard; same arguments."""
 
     _safety_kind = "grpo"
     _safety_config_class = GRPOConfig
     _trl_class = trl.GRPOTrainer
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        # TRL turns a `None` reward into NaN and zeroes the advantage of a completion no reward function scored; an
-        # Inf reward would reach the loss (and is then skipped by the guard). Either way, record it.
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.nan_guard is not None and self.model.training:
-            nonfinite = ~torch.isfinite(rewards)
-            count = int(nonfinite.sum())  # GRPO already reads its reward metrics back every step
-            if count:
-                unscorable = nonfinite.all(dim=1).view(-1, self.num_generations).all(dim=1)
-                self.nan_guard.record_rewards(count, rewards.shape[0], int(unscorable.sum()))
-        return rewards

@@ -1,0 +1,36 @@
+"""What the NaN guard needs from trainers that generate their own training data (GRPO, RLOO).
+
+These trainers score completions with reward functions and buffer one generation batch for several optimizer steps
+(`steps_per_generation`, `num_iterations`). The guard records non-finite rewards, and after a rollback it discards
+the buffered rollouts: they were sampled, and their `old_per_token_logps` computed, by the policy it just threw away.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OnlineGenerationMixin:
+    """Mixed in before TRL's `GRPOTrainer`/`RLOOTrainer` (after [`SafeTrainerMixin`])."""
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL turns a `None` reward into NaN and zeroes the advantage of a completion no reward function scored; an
+        # Inf reward would reach the loss (and is then skipped by the guard). Either way, record it.
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.nan_guard is not None and self.model.training:
+            nonfinite = ~torch.isfinite(rewards)
+            count = int(nonfinite.sum())  # TRL already reads its reward metrics back every generation
+            if count:
+                unscorable = nonfinite.all(dim=1).view(-1, self.num_generations).all(dim=1)
+                self.nan_guard.record_rewards(count, rewards.shape[0], int(unscorable.sum()))
+        return rewards
+
+    def discard_rollouts(self) -> None:
+        """Drop the buffered generation batch and force the next generation to push the weights to vLLM again.
+
+        Called by the guard after it restored an older policy: the next micro-batch regenerates completions (and
+        their old log-probabilities) from the restored weights, for the same prompts.
+        """
+        self._buffered_inputs = None
+        if hasattr(self, "_last_loaded_step"):
+            self._last_loaded_step = -1  # TRL re-syncs vLLM only when `global_step` differs from this
