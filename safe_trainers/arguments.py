@@ -44,8 +44,10 @@ class SafetyArguments:
     nan_lr_backoff (`float`, *optional*, defaults to `0.5`):
         Multiply the learning rate by this factor at each rollback (`1.0` keeps it).
     nan_spike_factor (`float`, *optional*, defaults to `0.0`):
-        Treat a finite loss above `nan_spike_factor` times the running mean of recent losses as a fault, confirmed
-        when it happens on `nan_spike_patience` consecutive steps. `0` disables spike detection.
+        Spike threshold in rolling standard deviations: an applied step whose loss or gradient norm lies more than
+        `nan_spike_factor` standard deviations above its mean over the last 64 applied steps (a one-sided z-score,
+        valid for losses of any sign and scale) is spiking; `nan_spike_patience` spiking steps in a row trigger a
+        rollback. `0` disables spike detection; 6 is OLMo-core's choice.
     nan_spike_patience (`int`, *optional*, defaults to `2`):
         Consecutive spiking steps needed to confirm a loss spike.
     """
@@ -82,7 +84,10 @@ class SafetyArguments:
     )
     nan_spike_factor: float = field(
         default=0.0,
-        metadata={"help": "Loss above this multiple of the recent mean counts as a spike (0 disables detection)."},
+        metadata={
+            "help": "Loss or grad norm more than this many rolling standard deviations above the rolling mean counts "
+            "as a spike (0 disables detection; 6 is a good value)."
+        },
     )
     nan_spike_patience: int = field(
         default=2, metadata={"help": "Consecutive spiking steps needed to confirm a loss spike."}

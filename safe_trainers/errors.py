@@ -47,3 +47,22 @@ class TrainingDivergedError(RuntimeError):
         self.checkpoint_dir = checkpoint_dir
         self.report_path = report_path
         super().__init__(message)
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """`save_model` or `push_to_hub` was asked to write weights that hold NaN or Inf.
+
+    Attributes:
+        tensors (`list[str]`):
+            The names of the non-finite tensors (at most the first 10).
+    """
+
+    def __init__(self, output_dir: str, tensors: list[str]):
+        self.tensors = tensors
+        super().__init__(
+            f"Refusing to save non-finite weights to {output_dir}: {', '.join(f'`{t}`' for t in tensors)} hold NaN or "
+            "Inf. Nothing was written. The NaN guard keeps non-finite updates out of training, so these weights were "
+            "changed outside it (after `train()`, or with `nan_guard=False`). Load the last clean checkpoint "
+            "(`checkpoint-*` in `output_dir`; every one is verified finite), or resume from it with "
+            "`trainer.train(resume_from_checkpoint=...)`, then save again."
+        )

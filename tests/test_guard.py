@@ -37,7 +37,7 @@ def test_nan_loss_is_skipped(toy_models, tmp_path, kind):
     assert events[0]["first_nonfinite_module"]["module"].endswith("layers.1")  # where the fault was injected
     assert trainer.state.global_step == 10 and weights_finite(trainer)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # it did train
-    assert trainer.nan_guard.skipped_steps == 1 and trainer.nan_guard.rollbacks == 0
+    assert trainer.nan_guard.state.skipped_steps == 1 and trainer.nan_guard.state.rollbacks == 0
     logged = [h for h in trainer.state.log_history if h.get("step") == 6 and "loss" in h]
     assert logged and logged[0]["loss"] != logged[0]["loss"]  # the NaN is visible in the logs, not hidden
     assert trainer.state.log_history[-2]["nan_guard/skipped_steps"] == 1
@@ -84,21 +84,24 @@ def test_lora_nan_loss_and_nan_adapter_weight(toy_models, tmp_path, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_persistent_fault_aborts_with_last_good_checkpoint(toy_models, tmp_path, kind):
     fault = Fault(step=3, kind="loss", repeat=1000)
-    trainer = guarded_trainer(kind, model_for(toy_models, kind), str(tmp_path), [fault], nan_max_rollbacks=2)
+    trainer = guarded_trainer(
+        kind, model_for(toy_models, kind), str(tmp_path), [fault], nan_max_rollbacks=2, max_steps=20
+    )
     with pytest.raises(st.TrainingDivergedError, match="nan_max_rollbacks=2") as error:
         trainer.train()
     assert isinstance(error.value, RuntimeError)
+    # Steps 3-5 and 6-8 are skipped runs (two rollbacks to step 2); the third run (9-11) aborts at step 11. The
+    # timeline does not rewind: the abort checkpoint is checkpoint-11, holding step 2's weights.
     checkpoint = error.value.checkpoint_dir
-    assert checkpoint and checkpoint.endswith("checkpoint-2") and os.path.isdir(checkpoint)
+    assert checkpoint and checkpoint.endswith("checkpoint-11") and os.path.isdir(checkpoint)
     assert error.value.report_path and checkpoint in str(error.value) and error.value.report_path in str(error.value)
+    assert f"resume_from_checkpoint={checkpoint!r}" in str(error.value)
     events = read_events(str(tmp_path))
     kinds = [e["kind"] for e in events]
     assert kinds.count("rollback") == 2 and kinds[-1] == "abort"
-    # The first rollback goes from step 5 back to step 2, further than `nan_snapshot_steps=2`: every dropped
-    # step's batch is still listed.
     first = next(e for e in events if e["kind"] == "rollback")
-    assert (first["step"], first["restored_step"]) == (5, 2)
-    assert [b["first_micro_batch"] for b in first["skipped_batches"]] == [2, 3, 4]
+    assert (first["step"], first["restored_step"], first["discarded_steps"]) == (5, 2, [3, 4, 5])
+    assert events[-1]["restored_step"] == 2 and events[-1]["step"] == 11
     assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
 
 
@@ -152,13 +155,13 @@ def test_grpo_nan_advantages_are_skipped(toy_models, tmp_path):
 
 
 class _SpikyDPO(trl.DPOTrainer):
-    """Multiplies the loss by 100 (finite) the first two times steps 12 and 13 run: a spike, not a NaN."""
+    """Multiplies the loss by 100 (finite) at steps 22 and 23: a spike, not a NaN."""
 
     spikes_left = 2
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.state.global_step + 1 in (12, 13) and self.spikes_left > 0 and model.training:
+        if self.state.global_step + 1 in (22, 23) and self.spikes_left > 0 and model.training:
             self.spikes_left -= 1
             return loss * 100
         return loss
@@ -176,16 +179,18 @@ def test_loss_spike_rolls_back(toy_models, tmp_path):
         toy_models["qwen2"],
         str(tmp_path),
         trainer_cls=SpikyDPOTrainer,
-        max_steps=16,
-        nan_spike_factor=3.0,
+        max_steps=26,
+        nan_spike_factor=6.0,
         nan_spike_patience=2,
     )
     trainer.train()
     events = read_events(str(tmp_path))
+    # No snapshot is taken while a spike is unconfirmed (step 22), so the rollback goes back to step 20.
     assert [(e["kind"], e["reason"], e["fault_step"], e["restored_step"]) for e in events] == [
-        ("rollback", "loss_spike", 13, 12)
+        ("rollback", "loss_spike", 23, 20)
     ]
-    assert trainer.state.global_step == 16 and weights_finite(trainer)
+    assert "first_nonfinite_module" not in events[0] and not trainer.nan_guard.state.localized  # kept for NaNs
+    assert trainer.state.global_step == 26 and weights_finite(trainer)
 
 
 def test_guard_off_behaves_like_trl(toy_models, tmp_path):
@@ -213,10 +218,9 @@ def test_save_total_limit_keeps_clean_checkpoints(toy_models, tmp_path):
     )
     with pytest.raises(st.TrainingDivergedError) as error:
         trainer.train()
-    # Steps 3-4 were skipped (weights unchanged, so checkpoint-4 is clean); the abort's checkpoint-2 (the last good
-    # state) is older than checkpoint-4 but exempt from rotation.
-    assert error.value.checkpoint_dir.endswith("checkpoint-2")
-    assert checkpoint_steps(str(tmp_path)) == [2, 4]
+    # Steps 3-5: rollback to step 2; steps 6-8: abort, saving the restored state as checkpoint-8, the newest.
+    assert error.value.checkpoint_dir.endswith("checkpoint-8")
+    assert checkpoint_steps(str(tmp_path)) == [8]
     assert not nonfinite_in_checkpoints(str(tmp_path))
 
 
@@ -259,5 +263,5 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(toy_models, tmp_pa
     trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), save_steps=2, max_steps=6)
     trainer.train(resume_from_checkpoint=True)
     assert not os.path.exists(os.path.join(str(tmp_path), ".safe_trainers_staging"))
-    assert trainer.nan_guard.skipped_steps == 1 and trainer.state.global_step == 6
+    assert trainer.nan_guard.state.skipped_steps == 1 and trainer.state.global_step == 6
     assert checkpoint_steps(str(tmp_path)) == [2, 4, 6] and not nonfinite_in_checkpoints(str(tmp_path))

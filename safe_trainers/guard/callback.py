@@ -11,7 +11,8 @@ from .guard import NanGuard
 
 class NanGuardCallback(TrainerCallback):
     """Takes the first snapshot at train start, hands the skip flag to the optimizer before each step, and inspects
-    the recent steps (skip, roll back, snapshot) at the end of the steps where the trainer logs, saves or evaluates.
+    the recent steps (skip, roll back, snapshot) at the end of each step and epoch, after the Trainer's flow callback
+    decided whether this step logs, evaluates, saves or ends training, and before it does any of them.
     """
 
     def __init__(self, guard: NanGuard):
@@ -24,8 +25,10 @@ class NanGuardCallback(TrainerCallback):
         self.guard.apply_skip(optimizer if optimizer is not None else self.guard.trainer.optimizer)
 
     def on_step_end(self, args, state, control, **kwargs: Any):
-        if self.guard.inspection_due(control):
-            self.guard.inspect(control)
+        self.guard.at_boundary(control)
+
+    def on_epoch_end(self, args, state, control, **kwargs: Any):
+        self.guard.at_boundary(control)
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.guard.inspect(control)

@@ -27,3 +27,12 @@ def agree_any(flag: torch.Tensor) -> torch.Tensor:
     value = flag.to(torch.int32)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.bool()
+
+
+def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The element-wise mean of `value` over ranks (an all-reduce; `value` itself in a single process)."""
+    if not distributed():
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()

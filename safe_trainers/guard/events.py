@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-EventKind = Literal["skip", "rollback", "abort", "reward", "save_refused"]
+EventKind = Literal["skip", "overflow", "rollback", "abort", "reward", "save_refused"]
 EVENTS_FILE = "nan_events.jsonl"
 
 
@@ -20,7 +20,8 @@ class NanEvent:
 
     Args:
         step (`int`): the optimizer step the event is about.
-        kind (`str`): `"skip"` (an update was not applied), `"rollback"` (the last good state was restored),
+        kind (`str`): `"skip"` (an update was not applied), `"overflow"` (the fp16 loss scaler skipped a step and
+            lowered its scale: not a fault), `"rollback"` (the last good state was restored),
             `"abort"` (training stopped with [`TrainingDivergedError`]), `"reward"` (GRPO rewards were non-finite),
             `"save_refused"` (a checkpoint was not written because the state was non-finite).
         nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
@@ -44,12 +45,26 @@ class NanEvent:
 
 
 class EventLog:
-    """Keeps every event in memory and appends it to `nan_events.jsonl` (main process only)."""
+    """Keeps the events of one run in memory and appends them to `nan_events.jsonl` (main process only)."""
 
     def __init__(self, output_dir: str, write: bool):
         self.path = os.path.join(output_dir, EVENTS_FILE)
         self.write = write
         self.events: list[NanEvent] = []
+
+    def start_run(self, resumed: bool) -> str | None:
+        """Begin a run: a resumed run appends to the log; a new run starts its own, and the previous run's log is kept
+        as `nan_events.previous-<n>.jsonl`. Returns that name, if a log was moved."""
+        self.events = []
+        if resumed or not self.write or not os.path.exists(self.path):
+            return None
+        stem, ext = os.path.splitext(self.path)
+        n = 1
+        while os.path.exists(f"{stem}.previous-{n}{ext}"):
+            n += 1
+        kept = f"{stem}.previous-{n}{ext}"
+        os.replace(self.path, kept)
+        return kept
 
     def add(self, event: NanEvent) -> NanEvent:
         self.events.append(event)

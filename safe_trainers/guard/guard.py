@@ -2,15 +2,18 @@
 
 Per optimizer step (hot path, no host-device synchronisation):
   * each micro-batch loss is folded into a device flag (`observe_loss`);
-  * after gradient clipping, the flag is combined with the gradient norm, agreed across ranks with a one-element
+  * after gradient clipping, the flag is combined with the gradient norm, agreed across ranks with one small
     all-reduce, and kept on the device (`end_of_step`);
   * before `optimizer.step()` the flag is handed to the optimizer (`apply_skip`): fused torch optimizers take it as
     `found_inf` and skip the update on the device, weights and optimizer state untouched. Other optimizers fall back to
     one host read of the flag and drop the gradients. Under DeepSpeed the engine skips non-finite steps itself.
-At inspection points (steps where the trainer logs, saves or evaluates anyway, and every `nan_snapshot_steps`), the
-flags are read back in one transfer and judged by the pure policy (`policy.judge_window`): skips are recorded, and a
-run of skips, a confirmed loss spike or a non-finite state triggers a rollback to the last snapshot, taken from a
-verified-finite state every `nan_snapshot_steps` steps.
+With an fp16 loss scaler, a step with a finite loss and non-finite gradients is the scaler's overflow: the scaler skips
+it and lowers its scale; the guard records it and leaves it alone.
+
+At inspection points (steps where the trainer logs, saves or evaluates, the last step, and every
+`nan_snapshot_steps`), the flags are read back in one transfer and judged by the pure policy (`policy.judge_window`).
+The timeline never rewinds: `global_step`, the data position, the LR schedule, the loss scaler and the token counters
+go on through a rollback, which only puts the weights and optimizer state of the last snapshot back (see README).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -27,13 +31,27 @@ from ..errors import TrainingDivergedError
 from .checkpoint import all_finite, optimizer_tensors
 from .collectives import agree_any, distributed, ranks_with_flag
 from .events import EventLog, NanEvent
-from .localize import first_nonfinite_module
+from .ledger import LossLedger
+from .localize import RecentBatches, localize
 from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window
 from .snapshot import Snapshotter, scale_learning_rate
 
 
 logger = logging.getLogger("safe_trainers")
 GUARD_STATE_FILE = "nan_guard_state.json"
+
+
+@dataclass
+class GuardState:
+    """What the guard saves with each checkpoint (`nan_guard_state.json`) and restores on resume."""
+
+    skipped_steps: int = 0
+    overflow_steps: int = 0
+    rollbacks: int = 0
+    discarded_steps: int = 0
+    lr_scale: float = 1.0
+    learning_rate: float | None = None  # the configured `learning_rate` the backoff applies to
+    localized: bool = False
 
 
 class NanGuard:
@@ -48,25 +66,39 @@ class NanGuard:
         self.trainer = trainer
         self.settings = settings
         self.events = EventLog(trainer.args.output_dir, write=trainer.is_world_process_zero())
-        self.spike = SpikeDetector(settings.nan_spike_factor, settings.nan_spike_patience) if settings.nan_spike_factor else None
-        self.skipped_steps = 0
-        self.rollbacks = 0
-        self.consecutive = 0
-        self.lr_scale = 1.0
-        self.localized = False
+        self.ledger = LossLedger()
+        self.batches = RecentBatches()
+        self.state = GuardState()
+        self.rollbacks_this_run = 0
+        self.spike: SpikeDetector | None = None
         self.replaying = False
-        self.aborting = False
-        self.damaged_ranks: list[int] = []
-        self.verified_step = -1
         self.snapshotter: Snapshotter | None = None
+        self.verified_step = -1
+        self.damaged_ranks: list[int] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._loss_scaled = False
+        self._consecutive = 0
+        self._fault_now: torch.Tensor | None = None
         self._reset_step()
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._batches: dict[int, list[Any]] = {}
-        self._batch_positions: dict[int, tuple[int, int]] = {}
-        self._micro_batches_seen = 0
-        self._bad_now: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    def start_run(self, resume_from: str | None) -> None:
+        """Called by `train()`: a new run starts its own event log and counters; a resumed run restores them."""
+        moved = self.events.start_run(resumed=resume_from is not None)
+        if moved:
+            logger.info(f"NaN guard: the previous run's event log was kept as {moved}.")
+        self.state = GuardState(learning_rate=self.trainer.args.learning_rate)
+        if resume_from is not None:
+            path = os.path.join(resume_from, GUARD_STATE_FILE)
+            if os.path.exists(path):
+                with open(path) as f:
+                    saved = json.load(f)
+                self.state = GuardState(**{k: v for k, v in saved.items() if k in GuardState.__dataclass_fields__})
+        self.rollbacks_this_run = 0
+        factor = self.settings.nan_spike_factor
+        self.spike = SpikeDetector(factor, self.settings.nan_spike_patience) if factor else None
+        self.ledger.begin_run()
+
     def begin(self) -> None:
         """Called at `on_train_begin`: bind to the optimizer and take the first snapshot."""
         trainer = self.trainer
@@ -80,154 +112,155 @@ class NanGuard:
                     "`nan_guard=True` supports DeepSpeed ZeRO stages 1, 2 and 3, got stage 0. Use ZeRO, or plain DDP, "
                     "or set `nan_guard=False`."
                 )
+            self._loss_scaled = bool(trainer.model_wrapped.fp16_enabled())
+        else:
+            self._loss_scaled = trainer.accelerator.scaler is not None
         self.snapshotter = Snapshotter(trainer.model, optimizer, stage)
         self._pending.clear()
-        self._batches.clear()
+        self.batches.clear()
         self._reset_step()
         self.take_snapshot()
 
-    def load_state(self, checkpoint_dir: str) -> None:
-        """Restore the guard's counters saved with a checkpoint (resume after a crash)."""
-        path = os.path.join(checkpoint_dir, GUARD_STATE_FILE)
-        if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
-            self.skipped_steps = saved.get("skipped_steps", 0)
-            self.rollbacks = saved.get("rollbacks", 0)
-            self.lr_scale = saved.get("lr_scale", 1.0)
-            self.localized = saved.get("localized", False)
+    def resumed_learning_rate(self, optimizer: Any, scheduler: Any) -> None:
+        """After a checkpoint's optimizer and scheduler were loaded: they carry the backed-off LR; if the user now
+        asks for a different `learning_rate`, scale to it (the backoff still applies)."""
+        configured, saved = self.trainer.args.learning_rate, self.state.learning_rate
+        if saved and configured and configured != saved:
+            scale_learning_rate(optimizer, scheduler, configured / saved)
+        self.state.learning_rate = configured
 
     def save_state(self, checkpoint_dir: str) -> None:
-        state = {
-            "skipped_steps": self.skipped_steps,
-            "rollbacks": self.rollbacks,
-            "lr_scale": self.lr_scale,
-            "localized": self.localized,
-        }
         with open(os.path.join(checkpoint_dir, GUARD_STATE_FILE), "w") as f:
-            json.dump(state, f)
+            json.dump(asdict(self.state), f)
 
     def log_counters(self) -> dict[str, int]:
-        return {"nan_guard/skipped_steps": self.skipped_steps, "nan_guard/rollbacks": self.rollbacks}
+        s = self.state
+        return {
+            "nan_guard/skipped_steps": s.skipped_steps,
+            "nan_guard/rollbacks": s.rollbacks,
+            "nan_guard/discarded_steps": s.discarded_steps,
+            "nan_guard/overflow_steps": s.overflow_steps,
+        }
 
     # ------------------------------------------------------------------ hot path (no host sync)
-    def observe_loss(self, loss: torch.Tensor, inputs: Any) -> None:
-        """Fold one micro-batch loss into the step's flags; keep a reference to the batch for diagnosis."""
+    def record_inputs(self, inputs: Any) -> None:
+        """Keep a host copy of one micro-batch's prepared inputs, for diagnosis."""
+        self.batches.record(inputs)
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Fold one micro-batch loss (as `training_step` returns it) into the step's flag and sums."""
         value = loss.detach().float()
         bad = ~torch.isfinite(value).all()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         value = value.sum()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        self._step_inputs.append(inputs)
-        self._micro_batches_seen += 1
+        self.ledger.add_micro_batch(loss)
 
     def end_of_step(self, grad_norm: Any) -> torch.Tensor:
-        """Combine the step's loss flag with the gradient norm and agree across ranks. Returns the device flag."""
+        """Combine the step's loss flag with the gradient norm and agree across ranks. Returns the device fault flag."""
         device = self.trainer.args.device
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
             float("nan") if grad_norm is None else float(grad_norm), device=device
         )
         norm = norm.detach().float().to(local.device)
-        bad = local | ~torch.isfinite(norm)
+        norm_bad = ~torch.isfinite(norm)
         if self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None:
-            # DeepSpeed has already stepped (inside `backward`); it skips steps with a non-finite gradient norm.
-            bad = bad | torch.tensor(bool(self.trainer.accelerator.optimizer_step_was_skipped), device=local.device)
-        bad = agree_any(bad)
+            # DeepSpeed has already stepped (inside `backward`); it skips steps with non-finite gradients.
+            skipped = bool(self.trainer.accelerator.optimizer_step_was_skipped)
+            norm_bad = norm_bad | torch.tensor(skipped, device=local.device)
+        # One all-reduce for both flags: [any rank's loss non-finite, gradient non-finite].
+        agreed = agree_any(torch.stack([local, norm_bad]))
+        loss_bad_any, norm_bad_any = agreed[0], agreed[1]
+        if self._loss_scaled:
+            fault = loss_bad_any
+            overflow = norm_bad_any & ~loss_bad_any
+        else:
+            fault = loss_bad_any | norm_bad_any
+            overflow = torch.zeros_like(fault)
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
         step = self.trainer.state.global_step + 1
-        self._pending.append((step, bad, local, loss, norm))
-        self._batches[step] = self._step_inputs
-        first = self._micro_batches_seen - len(self._step_inputs)
-        self._batch_positions[step] = (first, self._micro_batches_seen - 1)
-        for old in [s for s in self._batches if s <= step - self.settings.nan_snapshot_steps]:
-            del self._batches[old]  # batch references (memory) are kept for the last steps only
-        self._bad_now = bad
+        self._pending.append((step, fault, local, loss, norm, overflow))
+        self.batches.end_step(step)
+        self.ledger.end_step(fault)
+        self._fault_now = fault
         self._reset_step()
-        return bad
+        return fault
 
     def apply_skip(self, optimizer: Any) -> None:
-        """Make `optimizer.step()` a no-op when the step is bad (called after clipping, before the step)."""
-        if self._bad_now is None or (self.snapshotter and self.snapshotter.deepspeed_stage is not None):
+        """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
+        if self._fault_now is None or (self.snapshotter and self.snapshotter.deepspeed_stage is not None):
             return
         inner = getattr(optimizer, "optimizer", optimizer)
-        scaler = getattr(self.trainer.accelerator, "scaler", None)
-        if getattr(inner, "_step_supports_amp_scaling", False) and scaler is None:
+        if getattr(inner, "_step_supports_amp_scaling", False) and not self._loss_scaled:
             # Fused optimizers skip on the device when `found_inf` is set, and undo their step counter.
-            inner.found_inf = self._bad_now.to(torch.float32)
-        elif bool(self._bad_now):  # one host read: this optimizer cannot skip on the device
+            inner.found_inf = self._fault_now.to(torch.float32)
+        elif bool(self._fault_now):  # one host read: this optimizer cannot skip on the device
             for group in inner.param_groups:
                 for param in group["params"]:
                     param.grad = None
 
     # ------------------------------------------------------------------ inspection
-    def inspection_due(self, control: Any) -> bool:
-        step = self.trainer.state.global_step
-        return bool(
-            control.should_log
-            or control.should_save
-            or control.should_evaluate
-            or control.should_training_stop
-            or step % self.settings.nan_snapshot_steps == 0
-            or len(self._pending) >= self.settings.nan_snapshot_steps
-        )
+    def at_boundary(self, control: Any) -> Verdict | None:
+        """Called where the Trainer is about to log, evaluate or save (every step, before it does): inspect when due.
 
-    def inspect(self, control: Any) -> Verdict | None:
-        """Read the pending flags, record skips, roll back or abort if needed, take a snapshot when due."""
-        if not self._pending:
+        The state is verified before every save, evaluation and the end of training, so none of them ever sees
+        non-finite weights: a damaged state is rolled back first.
+        """
+        trainer = self.trainer
+        step = trainer.state.global_step
+        snapshot_due = step % self.settings.nan_snapshot_steps == 0
+        publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
+        verdict = None
+        if control.should_log or publishing or snapshot_due or len(self._pending) >= self.settings.nan_snapshot_steps:
+            verdict = self.inspect(control, verify=publishing or snapshot_due, snapshot=publishing or snapshot_due)
+        if control.should_log and step > trainer._globalstep_last_logged:  # the Trainer logs this step
+            trainer._guard_window_loss = self.ledger.close_window()
+        return verdict
+
+    def inspect(self, control: Any, verify: bool = False, snapshot: bool = False) -> Verdict | None:
+        """Read the pending flags, record skips, roll back or abort if needed, take a snapshot when asked."""
+        if not self._pending and not verify:
             return None
         records = self._read_pending()
         any_bad = any(r.bad for r in records)
-        step = self.trainer.state.global_step
-        snapshot_due = step % self.settings.nan_snapshot_steps == 0
-        self.damaged_ranks = []
-        state_finite = self.state_is_finite() if (any_bad or snapshot_due) else True
-        verdict = judge_window(records, self.consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite)
-        self.consecutive = verdict.consecutive
+        state_finite = self.state_verified() if (any_bad or verify) else True
+        verdict = judge_window(records, self._consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite)
+        self._consecutive = verdict.consecutive
+        self._record_overflows(verdict.overflows)
         diagnosis = None
-        if (verdict.skipped or verdict.rollback) and not self.localized:
-            fault = verdict.skipped[0].step if verdict.skipped else verdict.fault_step
-            diagnosis = self._localize(fault)
-        for i, record in enumerate(verdict.skipped):
-            self.skipped_steps += 1
-            detail = {"loss": record.loss, "grad_norm": record.grad_norm, "batches": self._positions(record.step)}
-            if i == 0 and diagnosis is not None:
-                detail["first_nonfinite_module"] = diagnosis
-            self.events.add(NanEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
-        if verdict.skipped:
-            logger.warning(
-                f"NaN guard: {len(verdict.skipped)} update(s) with a non-finite loss or gradient were not applied "
-                f"(steps {[r.step for r in verdict.skipped]}). See {self.events.path}."
-            )
+        if (verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")) and not self.state.localized:
+            diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
+        self._record_skips(verdict.skipped, diagnosis)
+        self.batches.clear()
         if verdict.rollback is not None:
-            if can_roll_back(self.rollbacks, self.settings.nan_max_rollbacks):
+            if can_roll_back(self.rollbacks_this_run, self.settings.nan_max_rollbacks):
                 self.rollback(verdict, records, diagnosis if not verdict.skipped else None)
-                control.should_save = False
-                control.should_evaluate = False
             else:
                 self.abort(verdict)
-        elif snapshot_due and state_finite and verdict.consecutive == 0:
-            # Only right after an applied step: a snapshot taken during a run of skips would let the next rollback
-            # land inside the fault.
+        elif snapshot and state_finite and verdict.consecutive == 0 and not (self.spike and self.spike.in_progress):
+            # Only right after an applied, non-spiking step: a rollback then restores the state before the fault.
             self.take_snapshot()
         return verdict
 
     def _read_pending(self) -> list[StepRecord]:
         pending, self._pending = self._pending, []
-        steps = [p[0] for p in pending]
+        if not pending:
+            return []
         local = torch.stack([p[2] for p in pending])
         table = torch.stack(
-            [torch.stack([p[1].float(), p[3].float(), p[4].float()]) for p in pending]
+            [torch.stack([p[1].float(), p[3].float(), p[4].float(), p[5].float()]) for p in pending]
         ).cpu()  # the one device-to-host transfer of an inspection
         bad = [bool(flag) for flag in table[:, 0].tolist()]
-        losses, norms = table[:, 1].tolist(), table[:, 2].tolist()
-        ranks = [[] for _ in pending]
-        if any(bad):
-            ranks = ranks_with_flag(local)
-        return [StepRecord(s, l, n, b, tuple(r)) for s, l, n, b, r in zip(steps, losses, norms, bad, ranks)]
+        losses, norms, overflow = table[:, 1].tolist(), table[:, 2].tolist(), table[:, 3].tolist()
+        ranks = ranks_with_flag(local) if any(bad) else [[] for _ in pending]
+        return [
+            StepRecord(p[0], loss, norm, b, tuple(r), bool(o))
+            for p, loss, norm, b, r, o in zip(pending, losses, norms, bad, ranks, overflow)
+        ]
 
     def state_is_finite(self) -> bool:
-        """Whether the weights and optimizer state are finite on every rank (a host sync; not on the hot path).
+        """Whether the weights and optimizer state are finite on every rank (a collective and a host sync).
 
         The ranks whose own state is non-finite are kept in `self.damaged_ranks`.
         """
@@ -244,92 +277,74 @@ class NanGuard:
         return not self.damaged_ranks
 
     def state_verified(self) -> bool:
-        """Whether the state is known finite at this step (checked now unless an inspection already did)."""
+        """Whether the state is known finite at this step (checked now unless this step was already verified)."""
         return self.verified_step == self.trainer.state.global_step or self.state_is_finite()
 
     # ------------------------------------------------------------------ actions
     def take_snapshot(self) -> None:
-        trainer = self.trainer
-        snap = self.snapshotter.take(trainer.state, trainer.lr_scheduler, trainer.accelerator.scaler, self.lr_scale)
-        # A rollback never goes further back than this snapshot: older batch positions are no longer needed.
-        for old in [s for s in self._batch_positions if s <= snap.step]:
-            del self._batch_positions[old]
+        self.snapshotter.take(self.trainer.state)
 
-    def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
+    def _restore(self) -> tuple[int, float]:
+        """Put the last snapshot's weights and optimizer state back and back the LR off. Returns (step, new LR)."""
         trainer = self.trainer
-        current = trainer.state.global_step
-        snap = self.snapshotter.restore(trainer.state, trainer.lr_scheduler, trainer.accelerator.scaler)
-        self.lr_scale *= self.settings.nan_lr_backoff
-        lr = scale_learning_rate(
-            getattr(trainer.optimizer, "optimizer", trainer.optimizer), trainer.lr_scheduler, self.lr_scale / snap.lr_scale
-        )
-        self.rollbacks += 1
-        self.consecutive = 0
-        self.verified_step = -1
+        snap = self.snapshotter.restore(trainer.state)
+        self.state.lr_scale *= self.settings.nan_lr_backoff
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        lr = scale_learning_rate(optimizer, trainer.lr_scheduler, self.settings.nan_lr_backoff)
+        self.state.discarded_steps += trainer.state.global_step - snap.step
+        self.verified_step = trainer.state.global_step  # the restored state was verified when it was taken
+        self._consecutive = 0
+        self._pending.clear()
+        self.batches.clear()
         if self.spike is not None:
             self.spike.reset()
-        # The loss accumulated since the last log belongs to steps that no longer exist.
-        trainer._tr_loss.zero_()
-        trainer._globalstep_last_logged = min(trainer._globalstep_last_logged, snap.step)
+        discard = getattr(trainer, "discard_rollouts", None)
+        if discard is not None:
+            discard()  # GRPO/RLOO: completions sampled by the discarded policy
+        return snap.step, lr
+
+    def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
+        current = self.trainer.state.global_step
+        restored, lr = self._restore()
+        self.state.rollbacks += 1
+        self.rollbacks_this_run += 1
         bad = [r for r in records if r.bad]
         what = sorted({w for r in bad for w in r.what}) or (["loss_spike"] if verdict.rollback == "loss_spike" else [])
         if verdict.rollback == "nonfinite_state":
             what = sorted(set(what) | {"weights_or_optimizer_state"})
-        skipped_batches = [self._positions(s) for s in range(snap.step + 1, current + 1) if s in self._batch_positions]
         detail = {
             "reason": verdict.rollback,
             "fault_step": verdict.fault_step,
-            "restored_step": snap.step,
-            "skipped_batches": skipped_batches,
+            "restored_step": restored,
+            "discarded_steps": list(range(restored + 1, current + 1)),
             "learning_rate": lr,
-            "rollbacks": self.rollbacks,
+            "rollbacks": self.state.rollbacks,
         }
         if diagnosis is not None:
             detail["first_nonfinite_module"] = diagnosis
         ranks = sorted({rank for r in bad for rank in r.bad_ranks} | set(self.damaged_ranks))
         self.events.add(NanEvent(current, "rollback", what, ranks, detail))
         logger.warning(
-            f"NaN guard: rolled back from step {current} to step {snap.step} ({verdict.rollback}); the batches of "
-            f"step{'s' if current > snap.step + 1 else ''} {snap.step + 1}{f'-{current}' if current > snap.step + 1 else ''} "
-            f"are skipped and the learning rate is now {lr:.3g}."
+            f"NaN guard: restored the weights and optimizer state of step {restored} at step {current} "
+            f"({verdict.rollback}); the updates of steps {restored + 1}-{current} are discarded, their batches are not "
+            f"replayed, and the learning rate is now {lr:.3g}. Training goes on from step {current}."
         )
-        self._pending.clear()
-        self._batches.clear()
 
     def abort(self, verdict: Verdict) -> None:
         trainer = self.trainer
         current = trainer.state.global_step
-        snap = self.snapshotter.restore(trainer.state, trainer.lr_scheduler, trainer.accelerator.scaler)
+        restored, lr = self._restore()
         checkpoint = None
-        self.aborting = True
         try:
             trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-            checkpoint = os.path.join(trainer._get_output_dir(trial=None), f"checkpoint-{trainer.state.global_step}")
+            checkpoint = os.path.join(trainer._get_output_dir(trial=None), f"checkpoint-{current}")
         except Exception as error:  # report, but never hide the divergence behind a save error
             logger.error(f"NaN guard: could not save the last good state: {error}")
-        self.events.add(
-            NanEvent(
-                current,
-                "abort",
-                [verdict.rollback or "unknown"],
-                [],
-                {
-                    "reason": verdict.rollback,
-                    "fault_step": verdict.fault_step,
-                    "restored_step": snap.step,
-                    "rollbacks": self.rollbacks,
-                    "checkpoint": checkpoint,
-                },
-            )
-        )
-        raise TrainingDivergedError(
-            f"Training diverged: step {verdict.fault_step} started a fault ({verdict.rollback}) after "
-            f"{self.rollbacks} rollback(s) (`nan_max_rollbacks={self.settings.nan_max_rollbacks}`). The last good state "
-            f"(step {snap.step}) was saved to {checkpoint}; every event is in {self.events.path}. Lower the learning "
-            "rate, check the data around the listed batches, or raise `nan_max_rollbacks`.",
-            checkpoint_dir=checkpoint,
-            report_path=self.events.path,
-        )
+        detail = {"reason": verdict.rollback, "fault_step": verdict.fault_step, "restored_step": restored,
+                  "rollbacks": self.state.rollbacks, "learning_rate": lr, "checkpoint": checkpoint}
+        self.events.add(NanEvent(current, "abort", [verdict.rollback or "unknown"], [], detail))
+        raise TrainingDivergedError(_abort_message(self, verdict, restored, current, lr, checkpoint),
+                                    checkpoint_dir=checkpoint, report_path=self.events.path)
 
     def refuse_save(self, step: int) -> None:
         """Record that a checkpoint was not written because the state is non-finite."""
@@ -340,47 +355,71 @@ class NanGuard:
         )
 
     def record_rewards(self, nonfinite: int, total: int, whole_groups: int) -> None:
-        """GRPO: some rewards came back NaN/None/Inf (called with gathered counts, identical on every rank)."""
-        self.events.add(
-            NanEvent(
-                self.trainer.state.global_step + 1,
-                "reward",
-                ["rewards"],
-                [],
-                {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups},
-            )
-        )
+        """GRPO/RLOO: some rewards came back NaN/None/Inf (called with gathered counts, identical on every rank)."""
+        detail = {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups}
+        self.events.add(NanEvent(self.trainer.state.global_step + 1, "reward", ["rewards"], [], detail))
 
     # ------------------------------------------------------------------ helpers
     def _reset_step(self) -> None:
         self._loss_bad: torch.Tensor | None = None
         self._loss_sum: torch.Tensor | None = None
-        self._step_inputs: list[Any] = []
 
-    def _positions(self, step: int) -> dict[str, int] | None:
-        span = self._batch_positions.get(step)
-        return None if span is None else {"first_micro_batch": span[0], "last_micro_batch": span[1]}
+    def _record_skips(self, skipped: list[StepRecord], diagnosis: dict | None) -> None:
+        for i, record in enumerate(skipped):
+            self.state.skipped_steps += 1
+            detail: dict[str, Any] = {"loss": record.loss, "grad_norm": record.grad_norm}
+            if i == 0 and diagnosis is not None:
+                detail["first_nonfinite_module"] = diagnosis
+            self.events.add(NanEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
+        self.ledger.record_skips(len(skipped))
+        if skipped:
+            logger.warning(
+                f"NaN guard: {len(skipped)} update(s) with a non-finite loss or gradient were not applied "
+                f"(steps {[r.step for r in skipped]}). See {self.events.path}."
+            )
+
+    def _record_overflows(self, overflows: list[StepRecord]) -> None:
+        for record in overflows:
+            self.state.overflow_steps += 1
+            self.events.add(NanEvent(record.step, "overflow", ["grad_norm"], [], {"loss": record.loss}))
 
     def _localize(self, step: int | None) -> dict[str, Any] | None:
-        batches = self._batches.get(step) if step is not None else None
+        batches = self.batches.get(step)
         if not batches:  # every rank holds the batches of the same steps, so all ranks return here together
             return None
-        self.localized = True
+        self.state.localized = True
         trainer = self.trainer
         model = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
         self.replaying = True
         try:
-            result = first_nonfinite_module(trainer.model, lambda: trainer.compute_loss(model, batches[0]))
+            result = localize(trainer.model, batches, lambda b: trainer.compute_loss(model, b), trainer.args.device)
         finally:
             self.replaying = False
         result["rank"] = trainer.args.process_index
         if distributed():
-            # Each rank replayed its own batch: report the rank where the forward pass went non-finite.
+            # Each rank replayed its own batches: report the rank where the forward pass went non-finite.
             results: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(results, result)
-            result = next((r for r in results if r.get("module")), results[0])
+            result = next((r for r in results if r.get("module")), next((r for r in results if "micro_batch" in r), results[0]))
         result["step"] = step
         return result
+
+
+def _abort_message(guard: NanGuard, verdict: Verdict, restored: int, current: int, lr: float, checkpoint: str | None) -> str:
+    head = (
+        f"Training diverged: step {verdict.fault_step} started a fault ({verdict.rollback}) after "
+        f"{guard.rollbacks_this_run} rollback(s) (`nan_max_rollbacks={guard.settings.nan_max_rollbacks}`); every event "
+        f"is in {guard.events.path}."
+    )
+    if checkpoint is None:
+        return f"{head} The last good state (step {restored}) could not be saved (see the log)."
+    return (
+        f"{head} The last good weights (those of step {restored}) were saved as {checkpoint}, with the learning rate "
+        f"already backed off to {lr:.3g} (x{guard.state.lr_scale:g}). To go on from there, past the batches that "
+        f"diverged: `trainer.train(resume_from_checkpoint={checkpoint!r})` (scripts: `--resume_from_checkpoint "
+        f"{checkpoint}`). A lower `learning_rate` passed when resuming is applied too (the backoff multiplies it); also "
+        "check the data around the listed steps, or raise `nan_max_rollbacks`."
+    )
 
 
 def _deepspeed_tensors(optimizer: Any, stage: int) -> list[torch.Tensor]:
@@ -392,4 +431,4 @@ def _deepspeed_tensors(optimizer: Any, stage: int) -> list[torch.Tensor]:
     return tensors + optimizer_tensors(optimizer.optimizer)
 
 
-__all__ = ["GUARD_STATE_FILE", "NanGuard"]
+__all__ = ["GUARD_STATE_FILE", "GuardState", "NanGuard"]

@@ -1,8 +1,9 @@
-"""Find the first module whose output goes non-finite, by replaying a batch with forward hooks."""
+"""Diagnosis of a fault: keep host copies of the recent micro-batches, replay them with forward hooks, and name the
+first module whose output went non-finite."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,17 +20,62 @@ def _tensors(value: Any):
             yield from _tensors(v)
 
 
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, Mapping):  # dicts and `BatchEncoding`s; replayed as plain dicts
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
 def _nonfinite(value: Any) -> bool:
     return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in _tensors(value))
 
 
+class RecentBatches:
+    """Host copies of the micro-batches of the steps not yet inspected, so a fault can be replayed.
+
+    The copies are queued without blocking (device-to-host into pinned memory on GPU), so the guard keeps no device
+    tensor alive past its step; they are dropped at each inspection. Host memory: the inputs of at most
+    `nan_snapshot_steps` x `gradient_accumulation_steps` micro-batches (token ids and masks for text).
+    """
+
+    def __init__(self):
+        self._steps: dict[int, list[Any]] = {}
+        self._current: list[Any] = []
+
+    def record(self, inputs: Any) -> None:
+        self._current.append(_map_tensors(inputs, _to_host))
+
+    def end_step(self, step: int) -> None:
+        self._steps[step] = self._current
+        self._current = []
+
+    def get(self, step: int | None) -> list[Any]:
+        return self._steps.get(step, []) if step is not None else []
+
+    def clear(self) -> None:
+        self._steps.clear()
+        self._current = []
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for batches in self._steps.values() for t in _tensors(batches))
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor.to("cpu", non_blocking=True) if tensor.device.type != "cpu" else tensor
+
+
 def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) -> dict[str, Any]:
-    """Run `replay()` (the training forward over the offending batch) with a forward hook on every module of `model`.
+    """Run `replay()` (the training forward over one micro-batch) with a forward hook on every module of `model`.
 
     Returns:
-        `{"module": name, "type": class name}` for the first module, in execution order, whose output contains NaN
-        or Inf; `{"module": None, "reason": ...}` when every module output is finite (the fault came from the loss
-        computation or the gradients, not the forward pass) or when the replay itself failed.
+        `{"module": name, "type": class name, "input_finite": bool}` for the first module, in execution order, whose
+        output contains NaN or Inf; `{"module": None, "loss_finite": bool}` when every module output is finite;
+        `{"module": None, "reason": ...}` when the replay itself failed.
     """
     found: dict[str, Any] = {}
     names = {module: name for name, module in model.named_modules()}
@@ -43,13 +89,34 @@ def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) ->
     try:
         # Grad mode on, as in the training forward that failed (some code paths differ under no_grad).
         with torch.enable_grad():
-            replay()
+            loss = replay()
     except Exception as error:  # the replay is diagnostic only: never let it break training
         if not found:
             return {"module": None, "reason": f"replay failed: {type(error).__name__}: {error}"[:300]}
+        return found
     finally:
         for handle in handles:
             handle.remove()
-    if found:
-        return found
-    return {"module": None, "reason": "every module output was finite; the loss or the backward pass was not"}
+    return found or {"module": None, "loss_finite": not _nonfinite(loss)}
+
+
+def localize(model: torch.nn.Module, micro_batches: list[Any], replay: Callable[[Any], Any], device: Any) -> dict:
+    """Replay the micro-batches of one step in order; report the first whose forward pass or loss went non-finite.
+
+    Returns the [`first_nonfinite_module`] result of that micro-batch plus `micro_batch` (its index in the step) and
+    `micro_batches` (how many the step had); when all were finite, the reason says the backward pass was the culprit.
+    """
+    for index, batch in enumerate(micro_batches):
+        on_device = _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+        result = first_nonfinite_module(model, lambda: replay(on_device))
+        if result.get("module") or result.get("reason") or not result.get("loss_finite", True):
+            if result.get("module") is None and "reason" not in result:
+                result["reason"] = "every module output was finite; the loss computation was not"
+            result.pop("loss_finite", None)
+            return {**result, "micro_batch": index, "micro_batches": len(micro_batches)}
+    return {
+        "module": None,
+        "reason": "every module output and loss of the step's micro-batches was finite; the backward pass or the "
+        "gradients were not",
+        "micro_batches": len(micro_batches),
+    }

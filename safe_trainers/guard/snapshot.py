@@ -1,7 +1,9 @@
-"""Copies of the training state kept in host memory, and putting them back.
+"""Copies of the model state kept in host memory, and putting them back.
 
-A snapshot holds everything a rollback must restore: weights, optimizer state, LR scheduler, loss scaler, RNG states
-and the trainer's step counters. Tensors go to host memory (pinned when a GPU is used, with non-blocking copies that
+A snapshot holds what a rollback restores: the weights, the optimizer state (moments and step counters) and the
+trainer's best-model bookkeeping. It deliberately leaves out what belongs to the run's timeline rather than to the
+weights: `global_step`, the data position, the LR schedule position, the loss scaler's calibration, the RNG streams and
+the token/FLOP counters keep going (see `NanGuard.rollback`). Tensors go to host memory (pinned when a GPU is used, with non-blocking copies that
 queue behind the training step on the same stream, so taking a snapshot does not stall the step). Buffers are
 allocated once and reused; frozen weights are copied once. Under DeepSpeed ZeRO each rank keeps its own shard.
 """
@@ -9,11 +11,9 @@ allocated once and reused; frozen weights are copied once. Under DeepSpeed ZeRO 
 from __future__ import annotations
 
 import copy
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 
@@ -26,12 +26,7 @@ class Snapshot:
     counters: dict[str, Any] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_state: dict[int, dict[str, Any]] = field(default_factory=dict)
-    param_groups: list[dict[str, Any]] = field(default_factory=list)
     deepspeed_state: Any = None
-    scheduler: dict[str, Any] | None = None
-    scaler: dict[str, Any] | None = None
-    rng: dict[str, Any] = field(default_factory=dict)
-    lr_scale: float = 1.0
     ready: Any = None  # a CUDA event recorded after the copies were queued
 
     @property
@@ -43,7 +38,7 @@ class Snapshot:
             self.ready.synchronize()
 
 
-TRAINER_COUNTERS = ("global_step", "epoch", "num_input_tokens_seen", "total_flos")
+BEST_MODEL_FIELDS = ("best_metric", "best_global_step", "best_model_checkpoint")
 
 
 class Snapshotter:
@@ -64,7 +59,7 @@ class Snapshotter:
         self._frozen_done = False
 
     # -- taking -------------------------------------------------------------------------------------------------
-    def take(self, state: Any, scheduler: Any, scaler: Any, lr_scale: float) -> Snapshot:
+    def take(self, state: Any) -> Snapshot:
         """Copy the current state into the host buffers (asynchronously on GPU) and return the snapshot."""
         snap = self.snapshot
         if self.deepspeed_stage is not None:
@@ -86,26 +81,25 @@ class Snapshotter:
             for i in list(snap.optimizer_state):
                 if i not in seen:
                     del snap.optimizer_state[i]
-        snap.param_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in _groups(self.optimizer)]
-        snap.scheduler = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
-        snap.scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
-        snap.rng = _rng_state()
-        snap.counters = {k: getattr(state, k) for k in TRAINER_COUNTERS if hasattr(state, k)}
+        snap.counters = {k: getattr(state, k) for k in BEST_MODEL_FIELDS if hasattr(state, k)}
         snap.step = state.global_step
-        snap.epoch = state.epoch or 0.0
-        snap.lr_scale = lr_scale
         if torch.cuda.is_available():
             snap.ready = torch.cuda.Event()
             snap.ready.record()
         return snap
 
     # -- restoring ----------------------------------------------------------------------------------------------
-    def restore(self, state: Any, scheduler: Any, scaler: Any) -> Snapshot:
-        """Put the last snapshot back into the model, optimizer, scheduler, scaler, RNG and trainer state."""
+    def restore(self, state: Any) -> Snapshot:
+        """Put the last snapshot back into the model, the optimizer state and the best-model bookkeeping.
+
+        The optimizer's hyperparameters (learning rate, betas, ...) stay as they are now: the LR follows the schedule
+        position, which a rollback does not rewind.
+        """
         snap = self.snapshot
         if not snap.taken:
             raise RuntimeError("No good state to restore: the NaN guard has not taken a snapshot yet.")
         snap.wait()
+        live_groups = [{k: v for k, v in g.items() if k != "params"} for g in _groups(self.optimizer)]
         with torch.no_grad():
             if self.deepspeed_stage is not None:
                 _restore_deepspeed(self.optimizer, self.deepspeed_stage, snap.deepspeed_state)
@@ -128,13 +122,8 @@ class Snapshotter:
                             live[key] = value.to(device, copy=True)
                         else:
                             live[key] = copy.deepcopy(value)
-        for group, saved in zip(_groups(self.optimizer), snap.param_groups):
-            group.update(copy.deepcopy(saved))
-        if scheduler is not None and snap.scheduler is not None:
-            scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
-        if scaler is not None and snap.scaler is not None:
-            scaler.load_state_dict(copy.deepcopy(snap.scaler))
-        _set_rng_state(snap.rng)
+        for group, live in zip(_groups(self.optimizer), live_groups):
+            group.update(live)  # DeepSpeed's `load_state_dict` brings the snapshot's hyperparameters back
         for key, value in snap.counters.items():
             setattr(state, key, value)
         return snap
@@ -210,20 +199,3 @@ def _restore_deepspeed(optimizer: Any, stage: int, saved: dict[str, Any]) -> Non
         live.data.copy_(host)
     # fp32 partition -> this rank's 16-bit partition -> all-gathered into every rank's 16-bit weights.
     optimizer.update_lp_params()
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    if not state:
-        return
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

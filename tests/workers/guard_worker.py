@@ -92,8 +92,8 @@ def main(argv=None) -> int:
         "global_step": trainer.state.global_step,
         "finite": finite,
         "injected": injector.injected,
-        "skipped": trainer.nan_guard.skipped_steps,
-        "rollbacks": trainer.nan_guard.rollbacks,
+        "skipped": trainer.nan_guard.state.skipped_steps,
+        "rollbacks": trainer.nan_guard.state.rollbacks,
         "checksum": float(sum(p.detach().double().sum() for p in params if p.numel() > 0)),
     }
     with open(os.path.join(ns.out, f"result-rank{state.process_index}.json"), "w") as f:

@@ -1,0 +1,167 @@
+"""Where the NaN guard meets the Trainer's own bookkeeping: run start and resume, per-step losses, logs, checkpoints.
+
+Every method here overrides a `transformers.Trainer` method, calls it, and adds the guard's part. Who reads what the
+guard touches, and how each keeps its contract:
+
+* `global_step`, the data position, the LR schedule: never rewound (a rollback restores weights and optimizer
+  state only), so resume skips exactly the batches consumed and a run ends at `state.max_steps`.
+* logs (`loss`, `train_loss`, W&B, TensorBoard): a window with a skipped step reports the mean over its applied
+  steps ([`LossLedger`]); step numbers only grow, so plots read as a normal run plus `nan_guard/*` counters.
+* checkpoints and `trainer_state.json`: written to a staging directory, verified finite, then renamed; the best-model
+  path always names a published checkpoint; `on_save` and hub uploads only ever see published checkpoints.
+* `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
+* resume: the guard's counters and LR backoff come back from `nan_guard_state.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+
+from ..errors import NonFiniteWeightsError
+from .checkpoint import STAGING_DIR, all_finite, clean_staging, publish, staging_run_dir
+from .guard import NanGuard
+
+
+logger = logging.getLogger("safe_trainers")
+TRAINER_STATE_FILE = "trainer_state.json"
+
+
+class NanGuardTrainerMixin:
+    """Mixed in before a `transformers.Trainer` subclass; active when `self.nan_guard` is a [`NanGuard`]."""
+
+    nan_guard: NanGuard | None = None
+    _staging_checkpoint = False
+    _last_finite_total_loss = 0.0
+    _guard_window_loss: float | None = None
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs):
+        guard = self.nan_guard
+        if guard is not None:
+            if self.is_world_process_zero():
+                for path in clean_staging(self.args.output_dir):
+                    logger.warning(f"NaN guard: removed a half-written checkpoint left by an interrupted save: {path}")
+            checkpoint = resume_from_checkpoint
+            if checkpoint is True:
+                checkpoint = get_last_checkpoint(self.args.output_dir)
+            guard.start_run(checkpoint if isinstance(checkpoint, str) else None)
+        output = super().train(
+            resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+        )
+        if guard is not None and "train_loss" in output.metrics:
+            output = output._replace(training_loss=output.metrics["train_loss"])  # as logged (see `log`)
+        return output
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        guard = self.nan_guard
+        if guard is not None and model.training and not guard.replaying:
+            guard.record_inputs(inputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.nan_guard is not None:
+            self.nan_guard.observe_loss(loss)
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self.nan_guard is not None:
+            self.nan_guard.end_of_step(grad_norm)
+        return grad_norm
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.nan_guard is not None and checkpoint is not None:
+            self.nan_guard.resumed_learning_rate(self.optimizer, self.lr_scheduler)
+
+    # ------------------------------------------------------------------ logs
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        guard = self.nan_guard
+        if guard is not None:
+            if "loss" in logs:
+                if self._guard_window_loss is not None:
+                    logs["loss"] = self._guard_window_loss
+                self._guard_window_loss = None
+                # The Trainer's running totals must not stay NaN forever after a skipped step.
+                if isinstance(self._tr_loss, torch.Tensor) and not bool(torch.isfinite(self._tr_loss)):
+                    self._tr_loss.zero_()
+                if math.isfinite(self._total_loss_scalar):
+                    self._last_finite_total_loss = self._total_loss_scalar
+                else:
+                    self._total_loss_scalar = self._last_finite_total_loss
+            if "train_loss" in logs:
+                value = guard.ledger.train_loss()
+                if value is not None:
+                    logs["train_loss"] = value
+            if "train_runtime" not in logs:
+                logs.update(guard.log_counters())
+        super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _get_output_dir(self, trial) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return staging_run_dir(run_dir) if self._staging_checkpoint else run_dir
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if not self._staging_checkpoint:  # uploaded once published (see `_save_checkpoint`)
+            super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write the checkpoint to a staging directory, then rename it: never half-written, never non-finite."""
+        guard = self.nan_guard
+        if guard is None:
+            return super()._save_checkpoint(model, trial)
+        step = self.state.global_step
+        if not guard.state_verified():
+            guard.refuse_save(step)  # not reached from the training loop, which restores a damaged state first
+            return
+        run_dir = self._get_output_dir(trial)
+        name = f"checkpoint-{step}"
+        staged, final = os.path.join(staging_run_dir(run_dir), name), os.path.join(run_dir, name)
+        self._staging_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_checkpoint = False
+        self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_FILE))  # with the published best path
+            guard.save_state(staged)
+            publish(staged, final)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=False,
+            )
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self.nan_guard is not None and self.args.should_save:
+            tensors = state_dict if state_dict is not None else self.model.state_dict()
+            if not bool(all_finite(tensors.values())):
+                bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+                raise NonFiniteWeightsError(output_dir or self.args.output_dir, bad[:10])
+        super()._save(output_dir, state_dict=state_dict)
+
+
+def _published_best(state: Any, run_dir: str, step: int) -> str | None:
+    """The best checkpoint as a published path: the Trainer computed it inside the staging directory."""
+    if state.best_global_step:
+        path = os.path.join(run_dir, f"checkpoint-{state.best_global_step}")
+        if state.best_global_step == step or os.path.isdir(path):
+            return path
+    current = state.best_model_checkpoint
+    if current and STAGING_DIR not in current and os.path.isdir(current):
+        return current
+    return None
