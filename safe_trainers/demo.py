@@ -82,10 +82,10 @@ def run_demo(output_dir: str | None = None, steps: int = 12, compare: bool = Tru
         if where:
             line += f"; first non-finite module: {where}"
         if event["kind"] == "rollback":
-            batches = [b for b in event["skipped_batches"] if b]
-            span = f"{batches[0]['first_micro_batch']}-{batches[-1]['last_micro_batch']}" if batches else "none"
-            line += (f"; restored step {event['restored_step']}, skipped micro-batches {span}, "
-                     f"learning rate now {event['learning_rate']:.3g}")
+            steps = event["discarded_steps"]
+            span = f"{steps[0]}-{steps[-1]}" if steps else "none"
+            line += (f"; restored the weights of step {event['restored_step']}, discarded the updates of steps "
+                     f"{span}, learning rate now {event['learning_rate']:.3g}")
         print(line)
     saved = [os.path.basename(c) for c in checkpoints(args.output_dir)]
     print(f"final weights finite: {finite}; checkpoints: {saved} (each checked finite before it was written)")

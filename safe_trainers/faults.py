@@ -19,7 +19,7 @@ import torch
 from transformers import TrainerCallback
 
 
-FaultKind = Literal["loss", "grad", "weight"]
+FaultKind = Literal["loss", "grad", "weight", "update"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,11 @@ class Fault:
         step (`int`): the optimizer step (1-based, the value `global_step` takes after it) the fault hits.
         kind (`str`): `"loss"` (the last decoder layer outputs NaN on the training forward, so the loss is NaN),
             `"grad"` (one trainable parameter's gradient becomes `value`), `"weight"` (one trainable weight is
-            overwritten with `value` before the step).
+            overwritten with `value` before the step, so the step's loss sees it), `"update"` (the same weight is
+            overwritten right after the optimizer step, as a bad update would: the step's loss stays finite).
         rank (`int | None`): the only rank that injects (`None`: every rank).
+        micro_batch (`int | None`): with `kind="loss"`, poison only this micro-batch of the step (0-based, among
+            `gradient_accumulation_steps`); a replay of the step's micro-batches, in order, is poisoned the same way.
         value (`float`): the value injected (NaN by default; `float("inf")` for Inf).
         repeat (`int`): how many consecutive steps, starting at `step`, the fault hits. A fault fires `repeat` times
             in all: when a rollback makes the trainer pass the same step number again, it does not fire again.
@@ -42,6 +45,7 @@ class Fault:
     rank: int | None = None
     value: float = float("nan")
     repeat: int = 1
+    micro_batch: int | None = None
 
     def hits(self, step: int, rank: int) -> bool:
         return self.step <= step < self.step + self.repeat and (self.rank is None or self.rank == rank)
@@ -55,6 +59,9 @@ class FaultInjector(TrainerCallback):
         self.injected: list[tuple[int, str]] = []
         self._fired = [0] * len(self.faults)
         self._active: dict[str, float] = {}
+        self._micro_batch: int | None = None
+        self._forwards = 0
+        self._accumulation = 1
         self._handles: list[Any] = []
         self._step = 0
 
@@ -63,18 +70,28 @@ class FaultInjector(TrainerCallback):
         param = first_trainable_matrix(model)
         self._handles = [layer.register_forward_hook(self._poison_activation), param.register_hook(self._poison_grad)]
         self._weight = param
+        self._accumulation = args.gradient_accumulation_steps
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         step = self._step = state.global_step + 1
-        self._active = {}
+        self._active, self._micro_batch, self._forwards = {}, None, 0
         for i, fault in enumerate(self.faults):
             if fault.hits(step, args.process_index) and self._fired[i] < fault.repeat:
                 self._fired[i] += 1
                 self._active[fault.kind] = fault.value
+                if fault.kind == "loss":
+                    self._micro_batch = fault.micro_batch
         if "weight" in self._active:
-            with torch.no_grad():
-                _weight_target(self._weight, optimizer).view(-1)[0] = self._active["weight"]
-            self.injected.append((step, "weight"))
+            self._poison_weight(optimizer, "weight")
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if "update" in self._active:
+            self._poison_weight(optimizer, "update")
+
+    def _poison_weight(self, optimizer: Any, kind: str) -> None:
+        with torch.no_grad():
+            _weight_target(self._weight, optimizer).view(-1)[0] = self._active[kind]
+        self.injected.append((self._step, kind))
 
     def on_train_end(self, args, state, control, **kwargs):
         for handle in self._handles:
@@ -82,6 +99,9 @@ class FaultInjector(TrainerCallback):
 
     def _poison_activation(self, module, inputs, output):
         if "loss" not in self._active or not torch.is_grad_enabled():
+            return None
+        index, self._forwards = self._forwards % self._accumulation, self._forwards + 1
+        if self._micro_batch is not None and index != self._micro_batch:
             return None
         self.injected.append((self._step, "loss"))
         if torch.is_tensor(output):

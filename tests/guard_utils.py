@@ -25,6 +25,7 @@ def guarded_trainer(
     reward_funcs=None,
     trainer_cls=None,
     peft_config=None,
+    eval_rows: int = 0,
     **overrides,
 ):
     """A safe trainer of `kind` on a toy model, saving every 4 steps, with a `FaultInjector` attached."""
@@ -51,6 +52,8 @@ def guarded_trainer(
     extra = {"reward_funcs": reward_funcs or count_words_reward} if kind == "grpo" else {}
     if peft_config is not None:
         extra["peft_config"] = peft_config
+    if eval_rows:
+        extra["eval_dataset"] = dataset_for(kind, eval_rows, seed=1)
     trainer = (trainer_cls or TRAINERS[kind])(model_dir, args=config, train_dataset=data, **extra)
     injector = FaultInjector(list(faults))
     trainer.add_callback(injector)
@@ -78,3 +81,50 @@ def checkpoint_steps(output_dir: str) -> list[int]:
 
 def weights_finite(trainer) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+
+
+def _digest(value, h) -> None:
+    if torch.is_tensor(value):
+        h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    elif isinstance(value, dict) or hasattr(value, "items") and not isinstance(value, (str, bytes)):
+        for key in sorted(value):
+            h.update(str(key).encode())
+            _digest(value[key], h)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _digest(v, h)
+    else:
+        h.update(repr(value).encode())
+
+
+def batch_hash(inputs) -> str:
+    """A stable fingerprint of one micro-batch as the dataloader delivered it."""
+    import hashlib
+
+    h = hashlib.sha1()
+    _digest(inputs, h)
+    return h.hexdigest()[:16]
+
+
+_RECORDING: dict[type, type] = {}
+
+
+def recording(trainer_cls: type) -> type:
+    """`trainer_cls` with `seen`: the `(optimizer step, batch fingerprint)` of every micro-batch it trained on."""
+    if trainer_cls not in _RECORDING:
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.seen = getattr(self, "seen", [])
+            self.seen.append((self.state.global_step + 1, batch_hash(inputs)))
+            return super(cls, self).training_step(model, inputs, num_items_in_batch)
+
+        cls = type(f"Recording{trainer_cls.__name__}", (trainer_cls,), {"training_step": training_step})
+        _RECORDING[trainer_cls] = cls
+    return _RECORDING[trainer_cls]
+
+
+def read_json(path: str):
+    import json
+
+    with open(path) as f:
+        return json.load(f)
