@@ -42,3 +42,13 @@ def cpu_args(**overrides) -> dict:
     )
     base.update(overrides)
     return base
+
+
+# Property-based tests (tests/test_guard_properties.py): a few derandomized examples by default, so CI is fast and
+# repeatable; `python -m pytest --hypothesis-profile=long tests/test_guard_properties.py` explores many more.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_SLOW_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=2, derandomize=True, deadline=None, suppress_health_check=_SLOW_OK)
+settings.register_profile("long", max_examples=25, deadline=None, suppress_health_check=_SLOW_OK)
+settings.load_profile("ci")

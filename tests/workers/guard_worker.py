@@ -24,7 +24,7 @@ from accelerate import PartialState  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for guard_utils
 
 import safe_trainers as st  # noqa: E402
-from guard_utils import guarded_trainer  # noqa: E402
+from guard_utils import TRAINERS, guarded_trainer, recording  # noqa: E402
 from safe_trainers.faults import Fault  # noqa: E402
 
 
@@ -38,6 +38,8 @@ def parse(argv=None):
     parser.add_argument("--max_steps", type=int, default=8)
     parser.add_argument("--max_rollbacks", type=int, default=3)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--save_steps", type=int, default=4)
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
 
@@ -68,14 +70,16 @@ def main(argv=None) -> int:
         os.path.join(ns.out, "run"),
         faults,
         peft_config=peft_config,
+        trainer_cls=recording(TRAINERS[ns.kind]),
         max_steps=ns.max_steps,
+        save_steps=ns.save_steps,
         nan_max_rollbacks=ns.max_rollbacks,
         deepspeed=ns.deepspeed,
     )
     injector = trainer.fault_injector
     outcome = "finished"
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=ns.resume)
     except st.TrainingDivergedError as error:
         outcome = f"diverged: {error.checkpoint_dir}"
     params = [p for p in trainer.model.parameters()]
@@ -94,6 +98,7 @@ def main(argv=None) -> int:
         "injected": injector.injected,
         "skipped": trainer.nan_guard.state.skipped_steps,
         "rollbacks": trainer.nan_guard.state.rollbacks,
+        "seen": getattr(trainer, "seen", []),
         "checksum": float(sum(p.detach().double().sum() for p in params if p.numel() > 0)),
     }
     with open(os.path.join(ns.out, f"result-rank{state.process_index}.json"), "w") as f:
