@@ -1,8 +1,13 @@
 """What the NaN guard needs from trainers that generate their own training data (GRPO, RLOO).
 
-These trainers score completions with reward functions and buffer one generation batch for several optimizer steps
-(`steps_per_generation`, `num_iterations`). The guard records non-finite rewards, and after a rollback it discards
-the buffered rollouts: they were sampled, and their `old_per_token_logps` computed, by the policy it just threw away.
+These trainers sample their own training data from the policy, score it with reward functions, and buffer one
+generation batch for several optimizer steps (`steps_per_generation`, `num_iterations`). The guard:
+
+* verifies the weights before each generation: sampling from a damaged policy either crashes (`torch.multinomial`
+  on NaN probabilities) or fills the buffer with garbage, so a damaged state is rolled back first;
+* records non-finite rewards;
+* after a rollback, discards the buffered rollouts: they were sampled, and their `old_per_token_logps` computed, by
+  the policy it just threw away.
 """
 
 from __future__ import annotations
@@ -12,6 +17,11 @@ import torch
 
 class OnlineGenerationMixin:
     """Mixed in before TRL's `GRPOTrainer`/`RLOOTrainer` (after [`SafeTrainerMixin`])."""
+
+    def _generate_and_score_completions(self, inputs):
+        if self.nan_guard is not None and self.model.training:
+            self.nan_guard.before_generation()
+        return super()._generate_and_score_completions(inputs)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL turns a `None` reward into NaN and zeroes the advantage of a completion no reward function scored; an

@@ -12,7 +12,6 @@ import safe_trainers as st
 from safe_trainers.faults import Fault, FaultInjector
 from safe_trainers.toy import count_words_reward, dataset_for
 
-
 CONFIGS = {"reward": st.RewardConfig, "dpo": st.DPOConfig, "kto": st.KTOConfig, "grpo": st.GRPOConfig}
 TRAINERS = {"reward": st.RewardTrainer, "dpo": st.DPOTrainer, "kto": st.KTOTrainer, "grpo": st.GRPOTrainer}
 

@@ -32,7 +32,6 @@ import safe_trainers as st
 from safe_trainers.faults import Fault
 from safe_trainers.guard import read_events
 
-
 MAX_STEPS = 8
 faults = st_.lists(
     st_.builds(
@@ -62,8 +61,14 @@ def run(kind, model, out, schedule, settings, resume=None):
     if evaluate:
         settings.update(eval_strategy="steps", eval_steps=settings["save_steps"], metric_for_best_model="eval_loss")
     trainer = guarded_trainer(
-        kind, model, out, schedule, trainer_cls=recording(TRAINERS[kind]), max_steps=MAX_STEPS,
-        eval_rows=4 if evaluate else 0, **settings,
+        kind,
+        model,
+        out,
+        schedule,
+        trainer_cls=recording(TRAINERS[kind]),
+        max_steps=MAX_STEPS,
+        eval_rows=4 if evaluate else 0,
+        **settings,
     )
     try:
         output = trainer.train(resume_from_checkpoint=resume)
@@ -107,16 +112,23 @@ def test_fault_schedules_keep_the_trainer_contracts(toy_models, tmp_path_factory
     published = sorted(glob.glob(os.path.join(out, "checkpoint-*")), key=lambda p: int(p.rsplit("-", 1)[1]))
     for path in published:
         check_checkpoint(path, kind)
-    assert [os.path.basename(p) for p in glob.glob(os.path.join(out, "nan_events*.jsonl"))] in ([], ["nan_events.jsonl"])
+    assert [os.path.basename(p) for p in glob.glob(os.path.join(out, "nan_events*.jsonl"))] in (
+        [],
+        ["nan_events.jsonl"],
+    )
     assert len(read_events(out)) == len(trainer.nan_guard.events.events)
 
+    # Resuming from a checkpoint at `max_steps` trains one more step in stock transformers: not a resume to compare.
+    published = [p for p in published if int(p.rsplit("-", 1)[1]) < MAX_STEPS]
     if not published:
         return
     checkpoint = data.draw(st_.sampled_from(published), label="resume from")
     step = int(checkpoint.rsplit("-", 1)[1])
     resumed_dir = root / "resumed"
     shutil.copytree(checkpoint, resumed_dir / os.path.basename(checkpoint))
-    again, _, _ = run(kind, model, str(resumed_dir), schedule, settings, resume=str(resumed_dir / os.path.basename(checkpoint)))
+    again, _, _ = run(
+        kind, model, str(resumed_dir), schedule, settings, resume=str(resumed_dir / os.path.basename(checkpoint))
+    )
     after = [s for s in trainer.seen if s[0] > step]
     if error is None:
         assert getattr(again, "seen", []) == after

@@ -48,9 +48,18 @@ def test_rollback_on_the_last_step_still_ends_at_max_steps(toy_models, tmp_path)
 def test_epoch_based_run_with_rollback_ends_with_save_and_eval(toy_models, tmp_path):
     data = dataset_for("dpo", 24)
     config = st.DPOConfig(
-        output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=2, learning_rate=1e-3,
-        logging_steps=1, save_strategy="epoch", eval_strategy="epoch", report_to="none", disable_tqdm=True,
-        use_cpu=True, nan_snapshot_steps=2, seed=0,
+        output_dir=str(tmp_path),
+        num_train_epochs=1,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="epoch",
+        eval_strategy="epoch",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        nan_snapshot_steps=2,
+        seed=0,
     )
     trainer = st.DPOTrainer(toy_models["qwen2"], args=config, train_dataset=data, eval_dataset=dataset_for("dpo", 4))
     trainer.add_callback(FaultInjector([Fault(step=5, kind="weight")]))
@@ -103,8 +112,13 @@ def test_resume_after_rollback_continues_the_batch_stream(toy_models, tmp_path, 
 # ---------------------------------------------------------------- 4. best-model bookkeeping
 def test_best_model_paths_are_published_and_survive_resume(toy_models, tmp_path):
     kwargs = dict(
-        eval_strategy="steps", eval_steps=2, save_steps=2, save_total_limit=2, load_best_model_at_end=True,
-        metric_for_best_model="eval_loss", max_steps=8,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        max_steps=8,
     )
     faults = [Fault(step=5, kind="update")]
     trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), faults, eval_rows=4, **kwargs)
@@ -165,10 +179,26 @@ def test_loss_scaler_overflows_are_not_faults(toy_models, tmp_path):
     assert trainer.state.log_history[-2]["nan_guard/overflow_steps"] == len(overflows)
     # The scaler calibrates exactly as in stock TRL given the same scaler.
     stock_config = st.DPOConfig(**{**trainer.args.to_dict(), "output_dir": str(tmp_path / "stock")})
-    stock = _ScaledDPO(toy_models["qwen2"], args=trl.DPOConfig(**{
-        k: getattr(stock_config, k) for k in ("output_dir", "max_steps", "per_device_train_batch_size", "learning_rate",
-                                               "logging_steps", "report_to", "use_cpu", "seed", "save_strategy")
-    }), train_dataset=trainer.train_dataset)
+    stock = _ScaledDPO(
+        toy_models["qwen2"],
+        args=trl.DPOConfig(
+            **{
+                k: getattr(stock_config, k)
+                for k in (
+                    "output_dir",
+                    "max_steps",
+                    "per_device_train_batch_size",
+                    "learning_rate",
+                    "logging_steps",
+                    "report_to",
+                    "use_cpu",
+                    "seed",
+                    "save_strategy",
+                )
+            }
+        ),
+        train_dataset=trainer.train_dataset,
+    )
     stock.train()
     assert stock.accelerator.scaler.get_scale() == trainer.accelerator.scaler.get_scale()
     assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path / "safe"))
@@ -262,18 +292,38 @@ def read_events_file(path):
 
 # ---------------------------------------------------------------- 11. memory held for diagnosis
 def test_guard_keeps_only_host_copies_of_the_uninspected_steps(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=3, logging_steps=100,
-                              nan_snapshot_steps=100, save_strategy="no", gradient_accumulation_steps=2)
+    trainer = guarded_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        str(tmp_path),
+        max_steps=3,
+        logging_steps=100,
+        nan_snapshot_steps=100,
+        save_strategy="no",
+        gradient_accumulation_steps=2,
+    )
     held = []
-    trainer.add_callback(type("Probe", (trl.trainer.callbacks.TrainerCallback,), {
-        "on_step_end": lambda self, args, state, control, **kw: held.append(
-            (len(trainer.nan_guard.batches._steps), trainer.nan_guard.batches.nbytes()))
-    })())
+    trainer.add_callback(
+        type(
+            "Probe",
+            (trl.trainer.callbacks.TrainerCallback,),
+            {
+                "on_step_end": lambda self, args, state, control, **kw: held.append(
+                    (len(trainer.nan_guard.batches._steps), trainer.nan_guard.batches.nbytes())
+                )
+            },
+        )()
+    )
     trainer.train()
     # Steps 1-2 accumulate (no inspection due); the last step is inspected, which drops them.
     assert [n for n, _ in held[:2]] == [1, 2] and held[1][1] > 0
-    assert all(t.device.type == "cpu" for b in trainer.nan_guard.batches._steps.values() for x in b
-               for t in x.values() if torch.is_tensor(t))
+    assert all(
+        t.device.type == "cpu"
+        for b in trainer.nan_guard.batches._steps.values()
+        for x in b
+        for t in x.values()
+        if torch.is_tensor(t)
+    )
     assert trainer.nan_guard.batches.nbytes() == 0
 
 
@@ -303,14 +353,22 @@ def test_on_save_and_hub_uploads_see_published_checkpoints(toy_models, tmp_path)
             saved.append((state.global_step, os.path.isfile(os.path.join(path, "trainer_state.json"))))
 
     trainer = guarded_trainer(
-        "dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=4, kind="update")], trainer_cls=RecordingPushDPOTrainer,
-        push_to_hub=True, hub_strategy="all_checkpoints", hub_model_id="local/test",
+        "dpo",
+        toy_models["qwen2"],
+        str(tmp_path),
+        [Fault(step=4, kind="update")],
+        trainer_cls=RecordingPushDPOTrainer,
+        push_to_hub=True,
+        hub_strategy="all_checkpoints",
+        hub_model_id="local/test",
     )
     trainer.add_callback(OnSave())
     trainer.train()
     assert saved == [(4, True), (8, True), (10, True)]
     assert [(os.path.basename(f), ok) for f, ok in trainer.pushed] == [
-        ("checkpoint-4", True), ("checkpoint-8", True), ("checkpoint-10", True)
+        ("checkpoint-4", True),
+        ("checkpoint-8", True),
+        ("checkpoint-10", True),
     ]
     assert all(".safe_trainers_staging" not in f for f, _ in trainer.pushed)
 
@@ -341,3 +399,13 @@ def test_discard_rollouts_forces_a_vllm_weight_sync(toy_models, tmp_path):
     trainer._buffered_inputs, trainer._last_loaded_step = [{"x": 1}], 5
     trainer.discard_rollouts()
     assert trainer._buffered_inputs is None and trainer._last_loaded_step == -1
+
+
+def test_grpo_never_samples_from_a_damaged_policy(toy_models, tmp_path):
+    # A NaN weight present when a generation is due would make `torch.multinomial` crash on NaN probabilities
+    # ("probability tensor contains either inf, nan or element < 0"): the state is verified before sampling.
+    trainer = guarded_trainer("grpo", toy_models["qwen2"], str(tmp_path), [Fault(step=3, kind="weight")], max_steps=5)
+    trainer.train()
+    events = read_events(str(tmp_path))
+    assert [(e["kind"], e["reason"]) for e in events] == [("rollback", "nonfinite_state")]
+    assert weights_finite(trainer) and trainer.state.global_step == 5

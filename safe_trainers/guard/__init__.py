@@ -2,7 +2,7 @@
 
 from .callback import NanGuardCallback
 from .events import EVENTS_FILE, NanEvent, read_events
-from .guard import GUARD_STATE_FILE, NanGuard
+from .guard import NanGuard
+from .state import GUARD_STATE_FILE, GuardState
 
-
-__all__ = ["EVENTS_FILE", "GUARD_STATE_FILE", "NanEvent", "NanGuard", "NanGuardCallback", "read_events"]
+__all__ = ["EVENTS_FILE", "GUARD_STATE_FILE", "GuardState", "NanEvent", "NanGuard", "NanGuardCallback", "read_events"]

@@ -9,7 +9,6 @@ from collections.abc import Iterable
 
 import torch
 
-
 STAGING_DIR = ".safe_trainers_staging"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -38,6 +37,16 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     for state in getattr(optimizer, "state", {}).values():
         out.extend(v for v in state.values() if torch.is_tensor(v))
     return out
+
+
+def deepspeed_state_tensors(optimizer, stage: int) -> list[torch.Tensor]:
+    """This rank's share of a DeepSpeed ZeRO optimizer's state: fp32 master and 16-bit partitions, moments."""
+    if stage == 3:
+        tensors = list(optimizer.fp32_partitioned_groups_flat) + list(optimizer.fp16_partitioned_groups_flat)
+        tensors += [p.data for p in getattr(optimizer, "persistent_parameters", [])]
+    else:
+        tensors = list(optimizer.single_partition_of_fp32_groups) + list(optimizer.bit16_groups_flat)
+    return tensors + optimizer_tensors(optimizer.optimizer)
 
 
 def staging_run_dir(run_dir: str) -> str:

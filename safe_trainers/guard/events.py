@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
 EventKind = Literal["skip", "overflow", "rollback", "abort", "reward", "save_refused"]
 EVENTS_FILE = "nan_events.jsonl"
 

@@ -18,40 +18,23 @@ go on through a rollback, which only puts the weights and optimizer state of the
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import TrainingDivergedError
-from .checkpoint import all_finite, optimizer_tensors
+from .checkpoint import all_finite, deepspeed_state_tensors, optimizer_tensors
 from .collectives import agree_any, distributed, ranks_with_flag
 from .events import EventLog, NanEvent
 from .ledger import LossLedger
 from .localize import RecentBatches, localize
 from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window
+from .recovery import abort, roll_back
 from .snapshot import Snapshotter, scale_learning_rate
-
+from .state import GuardState
 
 logger = logging.getLogger("safe_trainers")
-GUARD_STATE_FILE = "nan_guard_state.json"
-
-
-@dataclass
-class GuardState:
-    """What the guard saves with each checkpoint (`nan_guard_state.json`) and restores on resume."""
-
-    skipped_steps: int = 0
-    overflow_steps: int = 0
-    rollbacks: int = 0
-    discarded_steps: int = 0
-    lr_scale: float = 1.0
-    learning_rate: float | None = None  # the configured `learning_rate` the backoff applies to
-    localized: bool = False
 
 
 class NanGuard:
@@ -87,13 +70,8 @@ class NanGuard:
         moved = self.events.start_run(resumed=resume_from is not None)
         if moved:
             logger.info(f"NaN guard: the previous run's event log was kept as {moved}.")
-        self.state = GuardState(learning_rate=self.trainer.args.learning_rate)
-        if resume_from is not None:
-            path = os.path.join(resume_from, GUARD_STATE_FILE)
-            if os.path.exists(path):
-                with open(path) as f:
-                    saved = json.load(f)
-                self.state = GuardState(**{k: v for k, v in saved.items() if k in GuardState.__dataclass_fields__})
+        saved = GuardState.load(resume_from) if resume_from is not None else None
+        self.state = saved or GuardState(learning_rate=self.trainer.args.learning_rate)
         self.rollbacks_this_run = 0
         factor = self.settings.nan_spike_factor
         self.spike = SpikeDetector(factor, self.settings.nan_spike_patience) if factor else None
@@ -130,8 +108,7 @@ class NanGuard:
         self.state.learning_rate = configured
 
     def save_state(self, checkpoint_dir: str) -> None:
-        with open(os.path.join(checkpoint_dir, GUARD_STATE_FILE), "w") as f:
-            json.dump(asdict(self.state), f)
+        self.state.save(checkpoint_dir)
 
     def log_counters(self) -> dict[str, int]:
         s = self.state
@@ -157,11 +134,13 @@ class NanGuard:
         self.ledger.add_micro_batch(loss)
 
     def end_of_step(self, grad_norm: Any) -> torch.Tensor:
-        """Combine the step's loss flag with the gradient norm and agree across ranks. Returns the device fault flag."""
+        """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag."""
         device = self.trainer.args.device
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
-        norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
-            float("nan") if grad_norm is None else float(grad_norm), device=device
+        norm = (
+            grad_norm
+            if torch.is_tensor(grad_norm)
+            else torch.tensor(float("nan") if grad_norm is None else float(grad_norm), device=device)
         )
         norm = norm.detach().float().to(local.device)
         norm_bad = ~torch.isfinite(norm)
@@ -218,6 +197,12 @@ class NanGuard:
             trainer._guard_window_loss = self.ledger.close_window()
         return verdict
 
+    def before_generation(self) -> None:
+        """GRPO/RLOO, before sampling a generation batch: judge the pending steps and verify the state now (not from
+        the cache: generation is far costlier than the check), rolling back a damaged state before it samples."""
+        self.verified_step = -1
+        self.inspect(self.trainer.control, verify=True)
+
     def inspect(self, control: Any, verify: bool = False, snapshot: bool = False) -> Verdict | None:
         """Read the pending flags, record skips, roll back or abort if needed, take a snapshot when asked."""
         if not self._pending and not verify:
@@ -225,11 +210,15 @@ class NanGuard:
         records = self._read_pending()
         any_bad = any(r.bad for r in records)
         state_finite = self.state_verified() if (any_bad or verify) else True
-        verdict = judge_window(records, self._consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite)
+        verdict = judge_window(
+            records, self._consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite
+        )
         self._consecutive = verdict.consecutive
         self._record_overflows(verdict.overflows)
         diagnosis = None
-        if (verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")) and not self.state.localized:
+        if (
+            verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
+        ) and not self.state.localized:
             diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
         self._record_skips(verdict.skipped, diagnosis)
         self.batches.clear()
@@ -266,7 +255,7 @@ class NanGuard:
         """
         snap = self.snapshotter
         if snap is not None and snap.deepspeed_stage is not None:
-            tensors = _deepspeed_tensors(snap.optimizer, snap.deepspeed_stage)
+            tensors = deepspeed_state_tensors(snap.optimizer, snap.deepspeed_stage)
         else:
             opt = snap.optimizer if snap is not None else getattr(self.trainer.optimizer, "optimizer", None)
             tensors = list(self.trainer.model.parameters()) + (optimizer_tensors(opt) if opt is not None else [])
@@ -284,67 +273,11 @@ class NanGuard:
     def take_snapshot(self) -> None:
         self.snapshotter.take(self.trainer.state)
 
-    def _restore(self) -> tuple[int, float]:
-        """Put the last snapshot's weights and optimizer state back and back the LR off. Returns (step, new LR)."""
-        trainer = self.trainer
-        snap = self.snapshotter.restore(trainer.state)
-        self.state.lr_scale *= self.settings.nan_lr_backoff
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        lr = scale_learning_rate(optimizer, trainer.lr_scheduler, self.settings.nan_lr_backoff)
-        self.state.discarded_steps += trainer.state.global_step - snap.step
-        self.verified_step = trainer.state.global_step  # the restored state was verified when it was taken
-        self._consecutive = 0
-        self._pending.clear()
-        self.batches.clear()
-        if self.spike is not None:
-            self.spike.reset()
-        discard = getattr(trainer, "discard_rollouts", None)
-        if discard is not None:
-            discard()  # GRPO/RLOO: completions sampled by the discarded policy
-        return snap.step, lr
-
     def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
-        current = self.trainer.state.global_step
-        restored, lr = self._restore()
-        self.state.rollbacks += 1
-        self.rollbacks_this_run += 1
-        bad = [r for r in records if r.bad]
-        what = sorted({w for r in bad for w in r.what}) or (["loss_spike"] if verdict.rollback == "loss_spike" else [])
-        if verdict.rollback == "nonfinite_state":
-            what = sorted(set(what) | {"weights_or_optimizer_state"})
-        detail = {
-            "reason": verdict.rollback,
-            "fault_step": verdict.fault_step,
-            "restored_step": restored,
-            "discarded_steps": list(range(restored + 1, current + 1)),
-            "learning_rate": lr,
-            "rollbacks": self.state.rollbacks,
-        }
-        if diagnosis is not None:
-            detail["first_nonfinite_module"] = diagnosis
-        ranks = sorted({rank for r in bad for rank in r.bad_ranks} | set(self.damaged_ranks))
-        self.events.add(NanEvent(current, "rollback", what, ranks, detail))
-        logger.warning(
-            f"NaN guard: restored the weights and optimizer state of step {restored} at step {current} "
-            f"({verdict.rollback}); the updates of steps {restored + 1}-{current} are discarded, their batches are not "
-            f"replayed, and the learning rate is now {lr:.3g}. Training goes on from step {current}."
-        )
+        roll_back(self, verdict, records, diagnosis)
 
     def abort(self, verdict: Verdict) -> None:
-        trainer = self.trainer
-        current = trainer.state.global_step
-        restored, lr = self._restore()
-        checkpoint = None
-        try:
-            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-            checkpoint = os.path.join(trainer._get_output_dir(trial=None), f"checkpoint-{current}")
-        except Exception as error:  # report, but never hide the divergence behind a save error
-            logger.error(f"NaN guard: could not save the last good state: {error}")
-        detail = {"reason": verdict.rollback, "fault_step": verdict.fault_step, "restored_step": restored,
-                  "rollbacks": self.state.rollbacks, "learning_rate": lr, "checkpoint": checkpoint}
-        self.events.add(NanEvent(current, "abort", [verdict.rollback or "unknown"], [], detail))
-        raise TrainingDivergedError(_abort_message(self, verdict, restored, current, lr, checkpoint),
-                                    checkpoint_dir=checkpoint, report_path=self.events.path)
+        abort(self, verdict)
 
     def refuse_save(self, step: int) -> None:
         """Record that a checkpoint was not written because the state is non-finite."""
@@ -400,35 +333,11 @@ class NanGuard:
             # Each rank replayed its own batches: report the rank where the forward pass went non-finite.
             results: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(results, result)
-            result = next((r for r in results if r.get("module")), next((r for r in results if "micro_batch" in r), results[0]))
+            result = next(
+                (r for r in results if r.get("module")), next((r for r in results if "micro_batch" in r), results[0])
+            )
         result["step"] = step
         return result
 
 
-def _abort_message(guard: NanGuard, verdict: Verdict, restored: int, current: int, lr: float, checkpoint: str | None) -> str:
-    head = (
-        f"Training diverged: step {verdict.fault_step} started a fault ({verdict.rollback}) after "
-        f"{guard.rollbacks_this_run} rollback(s) (`nan_max_rollbacks={guard.settings.nan_max_rollbacks}`); every event "
-        f"is in {guard.events.path}."
-    )
-    if checkpoint is None:
-        return f"{head} The last good state (step {restored}) could not be saved (see the log)."
-    return (
-        f"{head} The last good weights (those of step {restored}) were saved as {checkpoint}, with the learning rate "
-        f"already backed off to {lr:.3g} (x{guard.state.lr_scale:g}). To go on from there, past the batches that "
-        f"diverged: `trainer.train(resume_from_checkpoint={checkpoint!r})` (scripts: `--resume_from_checkpoint "
-        f"{checkpoint}`). A lower `learning_rate` passed when resuming is applied too (the backoff multiplies it); also "
-        "check the data around the listed steps, or raise `nan_max_rollbacks`."
-    )
-
-
-def _deepspeed_tensors(optimizer: Any, stage: int) -> list[torch.Tensor]:
-    if stage == 3:
-        tensors = list(optimizer.fp32_partitioned_groups_flat) + list(optimizer.fp16_partitioned_groups_flat)
-        tensors += [p.data for p in getattr(optimizer, "persistent_parameters", [])]
-    else:
-        tensors = list(optimizer.single_partition_of_fp32_groups) + list(optimizer.bit16_groups_flat)
-    return tensors + optimizer_tensors(optimizer.optimizer)
-
-
-__all__ = ["GUARD_STATE_FILE", "GuardState", "NanGuard"]
+__all__ = ["NanGuard"]

@@ -3,8 +3,9 @@
 A snapshot holds what a rollback restores: the weights, the optimizer state (moments and step counters) and the
 trainer's best-model bookkeeping. It deliberately leaves out what belongs to the run's timeline rather than to the
 weights: `global_step`, the data position, the LR schedule position, the loss scaler's calibration, the RNG streams and
-the token/FLOP counters keep going (see `NanGuard.rollback`). Tensors go to host memory (pinned when a GPU is used, with non-blocking copies that
-queue behind the training step on the same stream, so taking a snapshot does not stall the step). Buffers are
+the token/FLOP counters keep going (see `recovery.py`). Tensors go to host memory (pinned when a GPU is used, with
+non-blocking copies that queue behind the training step on the same stream, so taking a snapshot does not stall the
+step). Buffers are
 allocated once and reused; frozen weights are copied once. Under DeepSpeed ZeRO each rank keeps its own shard.
 """
 
@@ -63,7 +64,9 @@ class Snapshotter:
         """Copy the current state into the host buffers (asynchronously on GPU) and return the snapshot."""
         snap = self.snapshot
         if self.deepspeed_stage is not None:
-            snap.deepspeed_state = _clone_to_host(_deepspeed_state(self.optimizer, self.deepspeed_stage), snap.deepspeed_state)
+            snap.deepspeed_state = _clone_to_host(
+                _deepspeed_state(self.optimizer, self.deepspeed_stage), snap.deepspeed_state
+            )
         else:
             for name, param in self.model.named_parameters():
                 if param.requires_grad or not self._frozen_done:
@@ -115,7 +118,11 @@ class Snapshotter:
                         continue
                     live = self.optimizer.state.setdefault(param, {})
                     for key, value in saved.items():
-                        if torch.is_tensor(value) and torch.is_tensor(live.get(key)) and live[key].shape == value.shape:
+                        if (
+                            torch.is_tensor(value)
+                            and torch.is_tensor(live.get(key))
+                            and live[key].shape == value.shape
+                        ):
                             live[key].copy_(value, non_blocking=True)
                         elif torch.is_tensor(value):
                             device = param.device if value.dim() > 0 else value.device

@@ -27,7 +27,6 @@ from ..errors import NonFiniteWeightsError
 from .checkpoint import STAGING_DIR, all_finite, clean_staging, publish, staging_run_dir
 from .guard import NanGuard
 
-
 logger = logging.getLogger("safe_trainers")
 TRAINER_STATE_FILE = "trainer_state.json"
 
@@ -40,7 +39,9 @@ class NanGuardTrainerMixin:
     _last_finite_total_loss = 0.0
     _guard_window_loss: float | None = None
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs):
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
+    ):
         guard = self.nan_guard
         if guard is not None:
             if self.is_world_process_zero():
@@ -51,7 +52,10 @@ class NanGuardTrainerMixin:
                 checkpoint = get_last_checkpoint(self.args.output_dir)
             guard.start_run(checkpoint if isinstance(checkpoint, str) else None)
         output = super().train(
-            resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
         )
         if guard is not None and "train_loss" in output.metrics:
             output = output._replace(training_loss=output.metrics["train_loss"])  # as logged (see `log`)
@@ -61,7 +65,9 @@ class NanGuardTrainerMixin:
         guard = self.nan_guard
         if guard is not None and model.training and not guard.replaying:
             guard.record_inputs(inputs)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -1,0 +1,118 @@
+"""The guard's actions on a fault it cannot skip past: roll back to the last good state, or stop the run.
+
+A rollback puts back the weights and optimizer state of the last snapshot, the best-model bookkeeping with them, and
+backs the learning rate off. It rewinds nothing else: `global_step`, the data position, the LR schedule position, the
+loss scaler and the token counters go on, so the run keeps its length, resume stays exact and logs stay monotonic
+(README, "The run's timeline").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from ..errors import TrainingDivergedError
+from .events import NanEvent
+from .policy import StepRecord, Verdict
+from .snapshot import scale_learning_rate
+
+if TYPE_CHECKING:
+    from .guard import NanGuard
+
+logger = logging.getLogger("safe_trainers")
+
+
+def restore_last_good(guard: NanGuard) -> tuple[int, float]:
+    """Put the last snapshot's weights and optimizer state back and back the LR off. Returns (step, new LR)."""
+    trainer = guard.trainer
+    snap = guard.snapshotter.restore(trainer.state)
+    guard.state.lr_scale *= guard.settings.nan_lr_backoff
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    lr = scale_learning_rate(optimizer, trainer.lr_scheduler, guard.settings.nan_lr_backoff)
+    guard.state.discarded_steps += trainer.state.global_step - snap.step
+    guard.verified_step = trainer.state.global_step  # the restored state was verified when it was taken
+    guard._consecutive = 0
+    guard._pending.clear()
+    guard.batches.clear()
+    if guard.spike is not None:
+        guard.spike.reset()
+    discard = getattr(trainer, "discard_rollouts", None)
+    if discard is not None:
+        discard()  # GRPO/RLOO: completions sampled by the discarded policy
+    return snap.step, lr
+
+
+def roll_back(guard: NanGuard, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
+    """Restore the last good state and go on (see the module docstring); record a `rollback` event."""
+    current = guard.trainer.state.global_step
+    restored, lr = restore_last_good(guard)
+    guard.state.rollbacks += 1
+    guard.rollbacks_this_run += 1
+    bad = [r for r in records if r.bad]
+    what = sorted({w for r in bad for w in r.what}) or (["loss_spike"] if verdict.rollback == "loss_spike" else [])
+    if verdict.rollback == "nonfinite_state":
+        what = sorted(set(what) | {"weights_or_optimizer_state"})
+    detail = {
+        "reason": verdict.rollback,
+        "fault_step": verdict.fault_step,
+        "restored_step": restored,
+        "discarded_steps": list(range(restored + 1, current + 1)),
+        "learning_rate": lr,
+        "rollbacks": guard.state.rollbacks,
+    }
+    if diagnosis is not None:
+        detail["first_nonfinite_module"] = diagnosis
+    ranks = sorted({rank for r in bad for rank in r.bad_ranks} | set(guard.damaged_ranks))
+    guard.events.add(NanEvent(current, "rollback", what, ranks, detail))
+    logger.warning(
+        f"NaN guard: restored the weights and optimizer state of step {restored} at step {current} "
+        f"({verdict.rollback}); the updates of steps {restored + 1}-{current} are discarded, their batches are not "
+        f"replayed, and the learning rate is now {lr:.3g}. Training goes on from step {current}."
+    )
+
+
+def abort(guard: NanGuard, verdict: Verdict) -> None:
+    """Restore the last good state, save it as a checkpoint, record an `abort` event and raise."""
+    trainer = guard.trainer
+    current = trainer.state.global_step
+    restored, lr = restore_last_good(guard)
+    checkpoint = None
+    try:
+        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        checkpoint = os.path.join(trainer._get_output_dir(trial=None), f"checkpoint-{current}")
+    except Exception as error:  # report, but never hide the divergence behind a save error
+        logger.error(f"NaN guard: could not save the last good state: {error}")
+    detail = {
+        "reason": verdict.rollback,
+        "fault_step": verdict.fault_step,
+        "restored_step": restored,
+        "rollbacks": guard.state.rollbacks,
+        "learning_rate": lr,
+        "checkpoint": checkpoint,
+    }
+    guard.events.add(NanEvent(current, "abort", [verdict.rollback or "unknown"], [], detail))
+    raise TrainingDivergedError(
+        abort_message(guard, verdict, restored, current, lr, checkpoint),
+        checkpoint_dir=checkpoint,
+        report_path=guard.events.path,
+    )
+
+
+def abort_message(
+    guard: NanGuard, verdict: Verdict, restored: int, current: int, lr: float, checkpoint: str | None
+) -> str:
+    head = (
+        f"Training diverged: step {verdict.fault_step} started a fault ({verdict.rollback}) after "
+        f"{guard.rollbacks_this_run} rollback(s) (`nan_max_rollbacks={guard.settings.nan_max_rollbacks}`); every "
+        f"event is in {guard.events.path}."
+    )
+    if checkpoint is None:
+        return f"{head} The last good state (step {restored}) could not be saved (see the log)."
+    return (
+        f"{head} The last good weights (those of step {restored}) were saved as {checkpoint}, with the learning rate "
+        f"already backed off to {lr:.3g} (x{guard.state.lr_scale:g}). To go on from there, past the batches that "
+        f"diverged: `trainer.train(resume_from_checkpoint={checkpoint!r})` (scripts: `--resume_from_checkpoint "
+        f"{checkpoint}`). A lower `learning_rate` passed when resuming is applied too (the backoff multiplies it); "
+        "also check the data around the listed steps, or raise `nan_max_rollbacks`."
+    )

@@ -1,0 +1,37 @@
+"""The guard's own state that outlives a process: counters and LR backoff, saved with every checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+
+GUARD_STATE_FILE = "nan_guard_state.json"
+
+
+@dataclass
+class GuardState:
+    """What the guard saves with each checkpoint (`nan_guard_state.json`) and restores on resume."""
+
+    skipped_steps: int = 0
+    overflow_steps: int = 0
+    rollbacks: int = 0
+    discarded_steps: int = 0
+    lr_scale: float = 1.0
+    learning_rate: float | None = None  # the configured `learning_rate` the backoff applies to
+    localized: bool = False
+
+    def save(self, checkpoint_dir: str) -> None:
+        with open(os.path.join(checkpoint_dir, GUARD_STATE_FILE), "w") as f:
+            json.dump(asdict(self), f)
+
+    @classmethod
+    def load(cls, checkpoint_dir: str) -> "GuardState | None":
+        """The state saved in `checkpoint_dir`, or `None` if it has none (a checkpoint of an unguarded run)."""
+        path = os.path.join(checkpoint_dir, GUARD_STATE_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            saved = json.load(f)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in saved.items() if k in known})
