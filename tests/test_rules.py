@@ -62,6 +62,11 @@ EXPECTED_IDS = [
     "precision.bf16_supported",
     "env.cublas_sigfpe",
     "optim.learning_rate",
+    "tokens.reward_pad_token",
+    "tokens.untrained_embeddings",
+    "grpo.vocab_size",
+    "grpo.vllm_is_truncation",
+    "moe.router_aux_loss",
 ]
 
 

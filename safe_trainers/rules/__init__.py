@@ -17,6 +17,8 @@ from .optim import GradClip, LearningRate
 from .peft import RewardSeqClsLora
 from .precision import Fp32TrainableParams, PreferBf16
 from .preference import BetaPositive, KtoBatchAndLabels
+from .rl import RouterAuxLoss, VllmIsTruncation, VocabSize
+from .tokens import RewardPadToken, UntrainedEmbeddings
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (
@@ -33,6 +35,11 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Bf16Supported(),
     CublasSigfpe(),
     LearningRate(),
+    RewardPadToken(),
+    UntrainedEmbeddings(),
+    VocabSize(),
+    VllmIsTruncation(),
+    RouterAuxLoss(),
 )
 
 
