@@ -112,7 +112,7 @@ class Hardware:
         unknown GPU name needs it. Raises `ValueError` for an unknown GPU without `bf16_supported`.
         """
         if name.strip().lower() == "cpu":
-            return cls(accelerator="cpu", bf16_supported=True, source="target: CPU")
+            return cls(accelerator="cpu", bf16_supported=True, source="the CPU (bf16: yes)")
         capability = gpu_capability(name)
         if bf16_supported is None:
             if capability is None:
@@ -131,7 +131,7 @@ class Hardware:
             cuda_version=cuda_version,
             cublas_version=cublas_version,
         )
-        return _replace(facts, source=f"target: {facts.describe()}")
+        return _replace(facts, source=facts.describe())
 
     def describe(self) -> str:
         """One line: the device, bf16 support and the CUDA/cuBLAS versions known."""

@@ -259,7 +259,7 @@ def test_hardware_target():
     assert not Hardware.target("V100").bf16_supported and Hardware.target("h100").bf16_supported
     target = Hardware.target("H20", cuda_version="12.1", cublas_version="12.1.3.1")
     assert (target.device_name, target.accelerator) == ("NVIDIA H20", "cuda")
-    assert target.source == "target: NVIDIA H20 (bf16: yes, CUDA 12.1, cuBLAS 12.1.3.1)"
+    assert target.source == "NVIDIA H20 (bf16: yes, CUDA 12.1, cuBLAS 12.1.3.1)"
     assert Hardware.target("cpu").accelerator == "cpu"
     assert Hardware.target("Mystery GPU", bf16_supported=False).bf16_supported is False
     with pytest.raises(ValueError, match="unknown GPU 'Mystery GPU'.*--bf16-supported"):
