@@ -124,7 +124,9 @@ class CublasSigfpe(Rule):
                 f"{' and '.join(half)} on {hw.device_name} with {versions}: this cuBLAS has the H20 SIGFPE bug; the "
                 f"known crashing GEMM ran here, but other shapes may still kill the run. Upgrade: {CUBLAS_FIX}."
             )
-        seen = " (the known crashing GEMM was run in a subprocess and died with SIGFPE)" if hw.cublas_probe == "crashed" else ""  # noqa: E501
+        seen = ""
+        if hw.cublas_probe == "crashed":
+            seen = " (the known crashing GEMM was run in a subprocess and died with SIGFPE)"
         return self.blocked(
             f"{' and '.join(half)} on {hw.device_name} with {versions}: half-precision GEMMs on H20 kill the process "
             f"with 'Floating point exception (core dumped)', an integer division by zero inside cublasLt before "

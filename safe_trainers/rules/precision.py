@@ -103,8 +103,8 @@ def fp16_sources(setup) -> list[tuple[str, str]]:
     if args.fp16:
         sources.append(("flag", "`fp16=True`"))
     if launcher_precision(args) == "fp16":
-        sources.append(("launcher", "accelerate's `mixed_precision='fp16'` (`accelerate launch --mixed_precision fp16`, "
-                                    "its config file or `ACCELERATE_MIXED_PRECISION`)"))  # fmt: skip
+        how = "`accelerate launch --mixed_precision fp16`, its config file or `ACCELERATE_MIXED_PRECISION`"
+        sources.append(("launcher", f"accelerate's `mixed_precision='fp16'` ({how})"))
     if ((setup.deepspeed_config or {}).get("fp16") or {}).get("enabled") is True:
         sources.append(("deepspeed", 'DeepSpeed `"fp16": {"enabled": true}`'))
     if setup.model_is_path:
