@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from .arguments import SafetyArguments
 from .errors import SafetyError
-from .report import Finding, SafetyReport
+from .report import TRAINER_OPT_OUT, Finding, OptOut, SafetyReport
 from .rules import DEFAULT_RULES, Rule
 
 
@@ -40,14 +40,15 @@ def run_stage(
     """
     rules = list(rules)
     strict = settings.safety_mode == "strict"
+    opt_out = report.opt_out
     first = [f for f in (check(rule, target) for rule in rules) if f is not None]
-    blocked = [_as_blocked(f, strict) for f in first if strict or f.action == "blocked"]
+    blocked = [_as_blocked(f, strict, opt_out) for f in first if strict or f.action == "blocked"]
     if blocked:
-        raise SafetyError(blocked)
+        raise SafetyError(blocked, opt_out=opt_out)
     if settings.safety_mode == "warn":
         for finding in first:
             if finding.action == "fixed":
-                note = ' (not applied: `safety_mode="warn"`)'
+                note = f" (not applied: {opt_out.set_mode('warn')})"
                 finding = replace(finding, action="warned", message=finding.message + note)
             report.findings.append(finding)
         return target
@@ -62,20 +63,20 @@ def run_stage(
             target = apply(target, finding)
         report.findings.append(finding)
     if late_blocked:
-        raise SafetyError(late_blocked)
+        raise SafetyError(late_blocked, opt_out=opt_out)
     return target
 
 
-def _as_blocked(finding: Finding, strict: bool) -> Finding:
+def _as_blocked(finding: Finding, strict: bool, opt_out: OptOut = TRAINER_OPT_OUT) -> Finding:
     if finding.action == "blocked":
         return finding
-    suffix = ' (not applied: `safety_mode="strict"` raises instead of fixing)' if strict else ""
+    suffix = f" (not applied: {opt_out.set_mode('strict')} raises instead of fixing)" if strict else ""
     return replace(finding, action="blocked", message=finding.message + suffix)
 
 
-def skipped_findings(disabled: Iterable[Rule]) -> list[Finding]:
+def skipped_findings(disabled: Iterable[Rule], opt_out: OptOut = TRAINER_OPT_OUT) -> list[Finding]:
     """`skipped` entries for the rules the user disabled, so the report records every opt-out."""
-    return [Finding(r.id, "skipped", "disabled by `safety_disable_rules`.") for r in disabled]
+    return [Finding(r.id, "skipped", f"disabled by {opt_out.setting}.") for r in disabled]
 
 
 def new_report(kind: str, settings: SafetyArguments, disabled: Iterable[Rule] = ()) -> SafetyReport:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from .report import Finding
+    from .report import Finding, OptOut
 
 
 class SafetyError(ValueError):
@@ -19,16 +19,23 @@ class SafetyError(ValueError):
     Attributes:
         findings (`tuple[Finding, ...]`):
             The findings that blocked construction, in rule order.
+        opt_out (`OptOut`):
+            How the message tells the user to skip a rule (config fields, or the OpenRLHF shim's flags).
     """
 
-    def __init__(self, findings: "tuple[Finding, ...] | list[Finding]", header: str | None = None):
+    def __init__(
+        self, findings: "tuple[Finding, ...] | list[Finding]", header: str | None = None, opt_out: "OptOut | None" = None
+    ):
+        from .report import TRAINER_OPT_OUT
+
         self.findings = tuple(findings)
+        self.opt_out = opt_out or TRAINER_OPT_OUT
         count = len(self.findings)
         header = header or f"safe_trainers refused this configuration ({count} problem{'s' if count != 1 else ''}):"
         lines = [header] + [f"  [{f.rule_id}] {f.message}" for f in self.findings]
         lines.append(
-            "Fix the settings above, or skip a rule with `safety_disable_rules=[<rule id>]` "
-            '(CLI: `--safety_disable_rules <rule id>`), or turn all rules off with `safety_mode="off"`.'
+            f"Fix the settings above, or skip a rule with {self.opt_out.disable}, or turn all rules off with "
+            f"{self.opt_out.set_mode('off')}."
         )
         super().__init__("\n".join(lines))
 

@@ -101,6 +101,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             ref_model=arguments.get("ref_model"),
             peft_config=arguments.get("peft_config"),
             train_dataset=arguments.get("train_dataset"),
+            processing_class=arguments.get("processing_class"),
         )
 
     def _publish_safety_report(self) -> None:
@@ -121,6 +122,8 @@ def _check_built(rule, trainer, source_rows: int | None = None) -> Any:
         model=trainer.model,
         train_dataset=trainer.train_dataset,
         source_rows=source_rows,
+        processing_class=getattr(trainer, "processing_class", None),
+        ref_model=getattr(trainer, "ref_model", None),
         peft_config=getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default"),
     )
     return rule.check_built(built)

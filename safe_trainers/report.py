@@ -15,6 +15,34 @@ from typing import Any, Literal
 Action = Literal["fixed", "warned", "blocked", "skipped"]
 
 
+@dataclass(frozen=True)
+class OptOut:
+    """How a user switches rules off where the report is read: config fields for the trainers, flags for the shim.
+
+    Args:
+        setting (`str`): the setting that lists the skipped rules, e.g. "`safety_disable_rules`".
+        disable (`str`): how to skip one rule, e.g. "`safety_disable_rules=[<rule id>]`".
+        mode (`str`): how to set the mode, with `{mode}` for the value, e.g. '`safety_mode="{mode}"`'.
+    """
+
+    setting: str
+    disable: str
+    mode: str
+
+    def set_mode(self, mode: str) -> str:
+        return self.mode.format(mode=mode)
+
+
+TRAINER_OPT_OUT = OptOut(
+    setting="`safety_disable_rules`",
+    disable="`safety_disable_rules=[<rule id>]` (CLI: `--safety_disable_rules <rule id>`)",
+    mode='`safety_mode="{mode}"`',
+)
+SHIM_OPT_OUT = OptOut(
+    setting="`--safety-disable-rules`", disable="`--safety-disable-rules <rule id>`", mode="`--safety-mode {mode}`"
+)
+
+
 class _Removed:
     """Sentinel for a setting that a change deletes (e.g. a renamed `model_init_kwargs` key)."""
 
@@ -91,11 +119,17 @@ class SafetyReport:
             The `safety_mode` the rules ran under.
         findings (`list[Finding]`):
             Every finding, including `"skipped"` entries for rules the user disabled.
+        opt_out ([`OptOut`]):
+            How the reader switches rules off (config fields, or the OpenRLHF shim's flags).
+        hardware (`str | None`):
+            The hardware the rules assumed, when it is not the machine the report is made on (`safe-trainers check`).
     """
 
     trainer: str
     mode: str
     findings: list[Finding] = field(default_factory=list)
+    opt_out: OptOut = field(default=TRAINER_OPT_OUT, compare=False)
+    hardware: str | None = None
 
     def by_rule(self, rule_id: str) -> list[Finding]:
         return [f for f in self.findings if f.rule_id == rule_id]
@@ -107,21 +141,25 @@ class SafetyReport:
     def render(self) -> str:
         """The one summary shown to the user (main process only)."""
         counts = {a: sum(f.action == a for f in self.findings) for a in ("fixed", "warned", "blocked", "skipped")}
+        assumed = [f"  hardware assumed: {self.hardware}"] if self.hardware else []
         if self.mode == "off":
-            return f"safe_trainers ({self.trainer}): safety rules are off (`safety_mode=\"off\"`)."
+            return f"safe_trainers ({self.trainer}): safety rules are off ({self.opt_out.set_mode('off')})."
         if not any(counts.values()):
-            return f"safe_trainers ({self.trainer}): all safety rules passed, nothing changed."
+            return "\n".join([f"safe_trainers ({self.trainer}): all safety rules passed, nothing changed.", *assumed])
         parts = [f"{n} {name}" for name, n in counts.items() if n]
-        lines = [f"safe_trainers ({self.trainer}, safety_mode={self.mode!r}): " + ", ".join(parts) + "."]
+        lines = [f"safe_trainers ({self.trainer}, safety_mode={self.mode!r}): " + ", ".join(parts) + ".", *assumed]
         width = max(len(f.rule_id) for f in self.findings)
         for f in self.findings:
             lines.append(f"  [{f.action}] {f.rule_id:<{width}}  {f.message}")
             lines.extend(f"  {'':<{len(f.action) + 2}} {'':<{width}}    {c.render()}" for c in f.changes)
-        lines.append("  Disable a rule with `safety_disable_rules=[<rule id>]` (CLI: `--safety_disable_rules <id>`).")
+        lines.append(f"  Disable a rule with {self.opt_out.disable}.")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"trainer": self.trainer, "mode": self.mode, "findings": [f.to_dict() for f in self.findings]}
+        data = {"trainer": self.trainer, "mode": self.mode, "findings": [f.to_dict() for f in self.findings]}
+        if self.hardware:
+            data["hardware"] = self.hardware
+        return data
 
     def write_json(self, output_dir: str, filename: str = "safety_report.json") -> str:
         """Write the report as JSON in `output_dir` (created if missing) and return the file path."""
@@ -151,4 +189,4 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-__all__ = ["Action", "Change", "Finding", "REMOVED", "SafetyReport"]
+__all__ = ["Action", "Change", "Finding", "OptOut", "REMOVED", "SHIM_OPT_OUT", "SafetyReport", "TRAINER_OPT_OUT"]

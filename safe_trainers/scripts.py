@@ -86,7 +86,9 @@ def make_parser(kind: str) -> TrlParser:
     return parser
 
 
-def parse_args(kind: str, argv: list[str] | None = None) -> tuple[ScriptArguments, Any, ModelConfig]:
+def parse_args(
+    kind: str, argv: list[str] | None = None, announce_cpu: bool = True
+) -> tuple[ScriptArguments, Any, ModelConfig]:
     """Parse `argv` (default `sys.argv[1:]`): an optional YAML `--config` file, then command-line overrides.
 
     Args:
@@ -94,6 +96,9 @@ def parse_args(kind: str, argv: list[str] | None = None) -> tuple[ScriptArgument
             `"reward"`, `"dpo"`, `"kto"` or `"grpo"`: selects the safe config class.
         argv (`list[str]`, *optional*):
             The arguments. Launcher-added flags such as `--local_rank=0` are config fields and parse normally.
+        announce_cpu (`bool`, *optional*, defaults to `True`):
+            Log that training runs on the CPU when there is no accelerator (`safe-trainers check`, which trains
+            nothing, turns it off).
 
     Returns:
         `tuple[ScriptArguments, Config, ModelConfig]`: script arguments, the safe trainer config (TRL fields plus
@@ -102,7 +107,7 @@ def parse_args(kind: str, argv: list[str] | None = None) -> tuple[ScriptArgument
     parser = make_parser(kind)
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
-    if training_args.use_cpu and not has_accelerator() and training_args.process_index == 0:
+    if announce_cpu and training_args.use_cpu and not has_accelerator() and training_args.process_index == 0:
         logger.warning("safe_trainers: no GPU found, training on the CPU (`use_cpu=True`).")
     return script_args, training_args, model_args
 

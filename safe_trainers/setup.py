@@ -2,52 +2,24 @@
 
 Everything a rule may look at is gathered here once, before any weight is loaded: the trainer kind, the config, the
 model (a path or an instance) and its `PretrainedConfig`, the PEFT config, the training dataset, the DeepSpeed config as
-a dict, and the facts about the hardware and the installed libraries. Rules read it and never modify it.
+a dict, the tokenizer, and the facts about the hardware and the installed libraries ([`Hardware`]: this machine, or the
+target named to `safe-trainers check`). Rules read it and never modify it.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
+from .hardware import Hardware
 
 
 TrainerKind = Literal["reward", "dpo", "kto", "grpo"]
 TRAINER_KINDS: tuple[str, ...] = ("reward", "dpo", "kto", "grpo")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Facts about the machine and the installed libraries that rules depend on.
-
-    Args:
-        accelerator (`str`):
-            `"cuda"`, `"xpu"`, `"mps"` or `"cpu"`.
-        bf16_supported (`bool`):
-            Whether bf16 mixed precision can train here (Ampere+ GPU, or the CPU, whose autocast supports bf16).
-        flash_attn_version (`str | None`):
-            The installed `flash_attn` version, if any.
-    """
-
-    accelerator: str = "cpu"
-    bf16_supported: bool = True
-    flash_attn_version: str | None = None
-
-    @classmethod
-    def detect(cls) -> "Hardware":
-        if torch.cuda.is_available():
-            accelerator, bf16 = "cuda", torch.cuda.is_bf16_supported()
-        elif hasattr(torch, "xpu") and torch.xpu.is_available():
-            accelerator, bf16 = "xpu", True
-        elif torch.backends.mps.is_available():
-            accelerator, bf16 = "mps", True
-        else:
-            accelerator, bf16 = "cpu", True
-        return cls(accelerator=accelerator, bf16_supported=bf16, flash_attn_version=_version("flash_attn"))
+# Trainers whose construction-time rules read the tokenizer (pad token of reward models; vocabulary of online RL).
+TOKENIZER_KINDS = frozenset({"reward", "grpo", "rloo"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +47,9 @@ class TrainerSetup:
             The DeepSpeed config, loaded from `args.deepspeed` when that is a path.
         hardware ([`Hardware`]):
             Facts about the machine.
+        tokenizer (`PreTrainedTokenizerBase | ProcessorMixin | None`):
+            The `processing_class` passed, else the tokenizer TRL will load from the model's directory (no weights);
+            `None` if it cannot be read.
     """
 
     kind: str
@@ -87,6 +62,7 @@ class TrainerSetup:
     train_dataset: Any = None
     deepspeed_config: dict | None = None
     hardware: Hardware = field(default_factory=Hardware)
+    tokenizer: Any = None
 
     @property
     def model_init_kwargs(self) -> dict[str, Any]:
@@ -159,10 +135,16 @@ def resolve_model_class(kind: str, model: Any, model_config: Any) -> type | None
         return None
 
 
-def _version(package: str) -> str | None:
+def read_tokenizer(model: Any, model_config: Any, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    """The tokenizer TRL would load for `model` (from the path, or from an instance's `name_or_path`), or `None`."""
+    name = model if isinstance(model, str) else getattr(model_config, "_name_or_path", None)
+    if not name:
+        return None
+    from transformers import AutoTokenizer
+
     try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError, TypeError, KeyError):
         return None
 
 
@@ -174,14 +156,17 @@ def build_setup(
     ref_model: Any = None,
     peft_config: Any = None,
     train_dataset: Any = None,
+    processing_class: Any = None,
     hardware: Hardware | None = None,
 ) -> TrainerSetup:
-    """Gather a [`TrainerSetup`] for `kind` from the trainer's arguments (reads `config.json`, loads no weight)."""
-    model_config = read_model_config(
-        model,
-        trust_remote_code=getattr(args, "trust_remote_code", False),
-        revision=(getattr(args, "model_init_kwargs", None) or {}).get("revision"),
-    )
+    """Gather a [`TrainerSetup`] for `kind` from the trainer's arguments (reads `config.json` and the tokenizer files,
+    loads no weight)."""
+    trust_remote_code = getattr(args, "trust_remote_code", False)
+    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+    model_config = read_model_config(model, trust_remote_code=trust_remote_code, revision=revision)
+    tokenizer = processing_class
+    if tokenizer is None and kind in TOKENIZER_KINDS:
+        tokenizer = read_tokenizer(model, model_config, trust_remote_code=trust_remote_code, revision=revision)
     return TrainerSetup(
         kind=kind,
         args=args,
@@ -193,4 +178,8 @@ def build_setup(
         train_dataset=train_dataset,
         deepspeed_config=load_deepspeed_config(getattr(args, "deepspeed", None)),
         hardware=hardware or Hardware.detect(),
+        tokenizer=tokenizer,
     )
+
+
+__all__ = ["Hardware", "TrainerSetup", "build_setup", "load_deepspeed_config", "read_model_config"]

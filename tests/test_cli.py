@@ -47,10 +47,82 @@ def test_check_clean_config_passes(toy_models, tmp_path, capsys):
 
 def test_check_overrides_and_blocked(toy_models, tmp_path, capsys):
     config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\nlogging_nan_inf_filter: false\n")
-    argv = ["check", "--trainer", "kto", "--config", config, "--model", toy_models["qwen2"], "--", "--beta", "0"]
+    argv = ["check", "--trainer", "kto", "--config", config, "--model", toy_models["qwen2"], "--", "--beta", "nan"]
     assert main(argv) == 1
     captured = capsys.readouterr()
     assert "[blocked] dpo.beta_positive" in captured.out and "every safety mode" in captured.err
+
+
+def test_check_overrides_without_a_double_dash(toy_models, tmp_path, capsys):
+    # the README's form; argparse used to reject it with "unrecognized arguments: --fp16 true"
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nlogging_nan_inf_filter: false\n")
+    code = main(["check", "--trainer", "dpo", "--config", config, "--model", toy_models["qwen2"], "--fp16", "true"])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "[fixed] precision.bf16_over_fp16  `fp16=True` switched to bf16" in out
+
+
+def test_check_rejects_unknown_arguments_for_other_commands():
+    with pytest.raises(SystemExit) as exc:
+        main(["rules", "--fp16", "true"])
+    assert exc.value.code == 2
+
+
+def test_check_trains_nothing_and_says_which_hardware_it_assumed(toy_models, tmp_path, capsys, caplog):
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nlogging_nan_inf_filter: false\n")
+    assert main(["check", "--trainer", "dpo", "--config", config, "--model", toy_models["qwen2"]]) == 0
+    captured = capsys.readouterr()
+    assert "hardware assumed: a CUDA GPU with bf16 (Ampere or newer)" in captured.out
+    assert "`--target-hardware`" in captured.out
+    assert "training on the CPU" not in captured.out + captured.err + caplog.text
+
+
+def test_check_for_a_gpu_without_bf16(toy_models, tmp_path, capsys):
+    # on a V100 an fp16 Gemma-2 run must go to fp32, not to bf16 (this machine's CPU has bf16; the V100 has not)
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nfp16: true\nlogging_nan_inf_filter: false\n")
+    argv = ["check", "--trainer", "dpo", "--config", config, "--model", toy_models["gemma2"], "--target-hardware", "V100"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "hardware assumed: NVIDIA V100 (bf16: no" in out
+    assert "switched to fp32: this device has no bf16 and `gemma2`" in out
+    assert "args.bf16" not in out and "args.use_cpu" not in out
+
+
+def test_check_bf16_config_for_a_gpu_without_bf16_is_warned(toy_models, tmp_path, capsys):
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nbf16: true\nlogging_nan_inf_filter: false\n")
+    argv = ["check", "--trainer", "dpo", "--config", config, "--model", toy_models["qwen2"], "--target-hardware", "T4"]
+    assert main(argv) == 1
+    assert "[warned] precision.bf16_supported  `bf16=True` on NVIDIA T4" in capsys.readouterr().out
+
+
+def test_check_h20_with_cuda_12_1_is_refused(toy_models, tmp_path, capsys):
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nlogging_nan_inf_filter: false\nnum_generations: 2\n")
+    argv = ["check", "--trainer", "grpo", "--config", config, "--model", toy_models["qwen2"],
+            "--target-hardware", "H20", "--cuda-version", "12.1", "--per_device_train_batch_size", "2"]  # fmt: skip
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "hardware assumed: NVIDIA H20 (bf16: yes, CUDA 12.1)" in captured.out
+    assert "[blocked] env.cublas_sigfpe" in captured.out and "nvidia-cublas-cu12>=12.4.5.8" in captured.out
+    assert "would stop construction in every safety mode" in captured.err
+    argv += ["--cublas-version", "12.4.5.8"]
+    assert main(argv) == 0
+
+
+def test_check_reads_mixed_precision_from_the_accelerate_config(toy_models, tmp_path, capsys):
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nbf16: false\nlogging_nan_inf_filter: false\n")
+    accelerate = tmp_path / "accelerate.yaml"
+    accelerate.write_text("distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 8\n")
+    argv = ["check", "--trainer", "dpo", "--config", config, "--model", toy_models["qwen2"],
+            "--accelerate-config", str(accelerate)]  # fmt: skip
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "accelerate's `mixed_precision='fp16'`" in out and "args.mixed_precision: 'fp16' -> 'bf16'" in out
+
+
+def test_check_unknown_gpu_needs_bf16_support(tmp_path, capsys):
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\n")
+    assert main(["check", "--trainer", "dpo", "--config", config, "--target-hardware", "Mystery 9000"]) == 2
+    assert "--bf16-supported" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -48,8 +48,9 @@ def length_reward(completions, **kwargs) -> list[float]:
 
 
 def config_kwargs(kind, tmp_path, name="out", **overrides):
-    # `logging_nan_inf_filter=False`: the safe trainers would otherwise fix it, and these tests compare with TRL
-    kwargs = cpu_args(output_dir=str(tmp_path / name), logging_nan_inf_filter=False)
+    # `logging_nan_inf_filter=False`: the safe trainers would otherwise fix it, and these tests compare with TRL;
+    # `learning_rate=1e-5`: the highest full fine-tuning rate `optim.learning_rate` accepts without a warning
+    kwargs = cpu_args(output_dir=str(tmp_path / name), logging_nan_inf_filter=False, learning_rate=1e-5)
     if kind == "grpo":
         kwargs.update(num_generations=2, max_completion_length=8)
     kwargs.update(overrides)

@@ -269,18 +269,43 @@ def test_installed_version_wins_over_flag(monkeypatch):
           "--advantage_estimator", "group_norm"], "grpo.group_size"),
         (["python", "-m", "openrlhf.cli.train_ppo_ray", "--ds.param_dtype", "bf16", "--algo.advantage.estimator",
           "dr_grpo", "--rollout.n_samples_per_prompt", "4", "--rollout.temperature", "0"], "grpo.group_size"),
-        ([*DS, "openrlhf.cli.train_dpo", "--model.model_name_or_path", "Qwen/Qwen2-7B", "--model.beta", "0"],
+        ([*DS, "openrlhf.cli.train_dpo", "--model.model_name_or_path", "Qwen/Qwen2-7B", "--model.beta", "nan"],
          "dpo.beta_positive"),
+        ([*DS, "openrlhf.cli.train_dpo", "--model.model_name_or_path", "Qwen/Qwen2-7B", "--model.beta", "0",
+          "--model.ipo_enable"], "dpo.beta_positive"),
         ([*DS, "openrlhf.cli.train_rm", "--model.model_name_or_path", GEMMA, "--ds.ring_attn_size", "2",
           "--ds.packing_samples"], "attention.gemma2_no_flash"),
-        (["deepspeed", "train_kto.py", "--pretrain", "meta-llama/Llama-2-7b", "--flash_attn", "--vanilla_loss",
-          "--micro_train_batch_size", "1"], "kto.batch_and_labels"),
     ],
 )  # fmt: skip
 def test_blocked(command, rule_id):
     with pytest.raises(SafetyError) as error:
         sanitize(command)
     assert [f.rule_id for f in error.value.findings] == [rule_id]
+
+
+@pytest.mark.parametrize(
+    "command, fragment",
+    [
+        ([*DS, "openrlhf.cli.train_dpo", "--model.model_name_or_path", "Qwen/Qwen2-7B", "--model.beta", "0"],
+         "learns nothing"),
+        (["deepspeed", "train_kto.py", "--pretrain", "meta-llama/Llama-2-7b", "--beta", "-0.1"], "rejected answers"),
+    ],
+)  # fmt: skip
+def test_beta_zero_or_negative_is_warned_not_refused(command, fragment):
+    # OpenRLHF trains these (a constant loss, or the wrong direction): a warning, the command runs as given
+    argv, report = sanitize(command)
+    assert argv == command
+    (finding,) = report.by_rule("dpo.beta_positive")
+    assert finding.action == "warned" and fragment in finding.message
+
+
+def test_kto_vanilla_loss_with_a_micro_batch_of_one_is_fixed_not_refused():
+    command = ["deepspeed", "train_kto.py", "--pretrain", "meta-llama/Llama-2-7b", "--flash_attn", "--vanilla_loss",
+               "--micro_train_batch_size", "1"]  # fmt: skip
+    argv, report = sanitize(command)
+    assert "--vanilla_loss" not in argv and argv == [t for t in command if t != "--vanilla_loss"]
+    (finding,) = report.by_rule("kto.batch_and_labels")
+    assert finding.action == "fixed" and "mean over nothing" in finding.message
 
 
 def test_fp16_without_bf16_hardware():
@@ -416,3 +441,22 @@ def test_cli_runs_the_rewritten_command_without_a_shell(tmp_path, capsys, monkey
                                               "1.0", "--local_rank=0"]  # fmt: skip
     assert not (tmp_path / "nope").exists()
     assert "attention.gemma2_no_flash" in capsys.readouterr().err
+
+
+def test_messages_name_the_shims_flags_not_python_syntax(capsys):
+    blocked = [*DS, "openrlhf.cli.train_dpo", "--model.model_name_or_path", "Qwen/Qwen2-7B", "--model.beta", "nan"]
+    assert shim.run(blocked, runner=FakeRunner()) == 1
+    err = capsys.readouterr().err
+    assert "`--safety-disable-rules <rule id>`" in err and "`--safety-mode off`" in err
+    assert "safety_disable_rules=[" not in err and 'safety_mode="off"' not in err
+
+    fixed = [*DS, "openrlhf.cli.train_rm", "--pretrain", GEMMA, "--flash_attn", "--max_norm", "0"]
+    assert shim.run(fixed, disabled=["optim.grad_clip"], runner=FakeRunner()) == 0
+    err = capsys.readouterr().err
+    assert "Disable a rule with `--safety-disable-rules <rule id>`." in err
+    assert "disabled by `--safety-disable-rules`." in err and "safety_disable_rules" not in err
+
+    assert shim.run(fixed, mode="warn", runner=FakeRunner()) == 0
+    assert "(not applied: `--safety-mode warn`)" in capsys.readouterr().err
+    with pytest.raises(SafetyError, match=r"\(not applied: `--safety-mode strict` raises instead of fixing\)"):
+        sanitize(fixed, mode="strict")

@@ -32,7 +32,6 @@ from safe_trainers import (
     TrainingDivergedError,
 )
 from safe_trainers.apply import apply_to_setup, replace_args
-from safe_trainers.configs import CONFIG_CLASSES
 from safe_trainers.engine import new_report, run_stage, select_rules, skipped_findings
 from safe_trainers.report import REMOVED, Change, Finding
 from safe_trainers.rules import DEFAULT_RULES, BuiltTrainer, get_rule, rule_ids
@@ -44,10 +43,10 @@ from safe_trainers.rules.precision import FP16_OVERFLOW_FAMILIES, is_fp16, reque
 from safe_trainers.setup import Hardware, TrainerSetup, read_model_config, resolve_model_class
 from safe_trainers.toy import build_model, model_config
 
-OUT = "safe-trainers-unused-output"  # configs are built, never trained: nothing is written here
-CPU = Hardware(accelerator="cpu", bf16_supported=True)
-CUDA_BF16 = Hardware(accelerator="cuda", bf16_supported=True)
-CUDA_NO_BF16 = Hardware(accelerator="cuda", bf16_supported=False)
+from rule_utils import (  # tests/ is on sys.path, as for conftest
+    CPU, CUDA_BF16, CUDA_NO_BF16, OUT, change_map, make_args, make_setup, run_setup_stage, settings,
+)  # fmt: skip
+
 
 EXPECTED_IDS = [
     "peft.reward_seq_cls_lora",
@@ -60,47 +59,15 @@ EXPECTED_IDS = [
     "dpo.beta_positive",
     "data.no_loss_tokens",
     "precision.fp32_trainable_params",
+    "precision.bf16_supported",
+    "env.cublas_sigfpe",
+    "optim.learning_rate",
+    "tokens.reward_pad_token",
+    "tokens.untrained_embeddings",
+    "grpo.vocab_size",
+    "grpo.vllm_is_truncation",
+    "moe.router_aux_loss",
 ]
-
-
-def make_args(kind: str = "dpo", **overrides):
-    """A real safe config of `kind` that is valid on this CPU-only machine."""
-    kwargs = dict(output_dir=OUT, use_cpu=True, report_to="none")
-    if kind == "grpo":
-        kwargs.update(num_generations=2, per_device_train_batch_size=2)
-    kwargs.update(overrides)
-    return CONFIG_CLASSES[kind](**kwargs)
-
-
-def make_setup(kind="dpo", family="llama", *, hardware=CPU, model=None, args=None, **fields):
-    """A `TrainerSetup` for a model path of `family` (no file needed: the config is built in memory)."""
-    config = model_config(family) if family is not None else None
-    model = model if model is not None else f"toy/{family}"
-    return TrainerSetup(
-        kind=kind,
-        args=args if args is not None else make_args(kind),
-        model=model,
-        model_config=config if isinstance(model, str) else model.config,
-        model_class=resolve_model_class(kind, model, config),
-        hardware=hardware,
-        **fields,
-    )
-
-
-def settings(mode="fix", disable=()):
-    return SafetyArguments(safety_mode=mode, safety_disable_rules=list(disable))
-
-
-def run_setup_stage(setup, mode="fix", disable=(), rules=None):
-    s = settings(mode, disable)
-    enabled, disabled = select_rules(setup.kind, s, rules if rules is not None else DEFAULT_RULES)
-    report = new_report(setup.kind, s, disabled)
-    out = run_stage(setup, enabled, s, report, check=lambda r, t: r.check(t), apply=apply_to_setup)
-    return out, report
-
-
-def change_map(finding):
-    return {c.path: (c.old, c.new) for c in finding.changes}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -117,7 +84,8 @@ def test_rule_ids_are_stable_and_in_order():
 def test_every_rule_is_documented(rule):
     assert rule.summary.strip()
     assert rule.rationale.startswith("https://")
-    assert rule.trainers and rule.trainers <= {"reward", "dpo", "kto", "grpo"}
+    # "rloo": the online-RL rules also apply to the RLOO trainer, added separately
+    assert rule.trainers and rule.trainers <= {"reward", "dpo", "kto", "grpo", "rloo"}
     assert get_rule(rule.id) is rule
 
 
@@ -655,24 +623,17 @@ def kto_data(labels):
     return Dataset.from_dict({"prompt": ["p"] * len(labels), "completion": ["c"] * len(labels), "label": labels})
 
 
-@pytest.mark.parametrize(
-    "batch, labels, fragments",
-    [
-        (1, [True, False], ["`per_device_train_batch_size=1`"]),
-        (2, [True, True, True], ["3 desirable and 0 undesirable", "undesirable (`label=False`)"]),
-        (2, [False, False], ["0 desirable and 2 undesirable", "desirable (`label=True`)"]),
-        (1, [True, True], ["`per_device_train_batch_size=1`", "2 desirable and 0 undesirable"]),
-        (1, None, ["`per_device_train_batch_size=1`"]),
-    ],
-)
-def test_kto_rule_blocks(batch, labels, fragments):
+@pytest.mark.parametrize("labels", [[True, False], [True, True], None])
+@pytest.mark.parametrize("loss_type", ["kto", None])
+def test_kto_rule_blocks_a_batch_of_one_with_the_kl_term(labels, loss_type):
     data = kto_data(labels) if labels is not None else None
-    finding = KTO.check(
-        make_setup("kto", "qwen2", args=make_args("kto", per_device_train_batch_size=batch), train_dataset=data)
-    )
+    args = make_args("kto", per_device_train_batch_size=1)
+    if loss_type is None:
+        args.loss_type = None  # TRL's default is "kto"
+    finding = KTO.check(make_setup("kto", "qwen2", args=args, train_dataset=data))
     assert finding.action == "blocked"
-    for fragment in fragments:
-        assert fragment in finding.message
+    assert "`per_device_train_batch_size=1` with `loss_type='kto'`" in finding.message
+    assert 'loss_type="apo_zero_unpaired"' in finding.message  # the way out that keeps a batch of 1
 
 
 @pytest.mark.parametrize(
@@ -680,8 +641,11 @@ def test_kto_rule_blocks(batch, labels, fragments):
     [
         kto_data([True, False, True]),
         None,
-        Dataset.from_dict({"prompt": ["p"], "completion": ["c"]}),  # no label column: nothing to count
+        Dataset.from_dict({"prompt": ["p"], "completion": ["c"]}),  # no label column
         Dataset.from_dict({"prompt": ["p"], "completion": ["c"], "label": [True]}).to_iterable_dataset(),
+        # one label kind only: TRL skips the empty side of the loss and averages with `nanmean` (it trains)
+        kto_data([True, True, True]),
+        kto_data([False, False]),
     ],
 )
 def test_kto_rule_silent(data):
@@ -691,14 +655,35 @@ def test_kto_rule_silent(data):
     )
 
 
+@pytest.mark.parametrize("labels", [[True, False], [True, True]])
+def test_kto_rule_silent_for_a_batch_of_one_without_the_kl_term(labels):
+    # `apo_zero_unpaired` has no KL term, so TRL trains it with a batch of 1 (was a false alarm)
+    args = make_args("kto", per_device_train_batch_size=1, loss_type="apo_zero_unpaired")
+    assert KTO.check(make_setup("kto", "qwen2", args=args, train_dataset=kto_data(labels))) is None
+
+
 @pytest.mark.parametrize("kind", ["dpo", "kto"])
-@pytest.mark.parametrize("beta", [0.0, -0.1, math.nan, math.inf])
-def test_beta_positive_blocks(kind, beta):
+@pytest.mark.parametrize("beta", [math.nan, math.inf, -math.inf])
+def test_beta_positive_blocks_non_finite(kind, beta):
     args = make_args(kind)
     args.beta = beta
     finding = BETA.check(make_setup(kind, "qwen2", args=args))
     assert finding.action == "blocked"
     assert f"`beta={beta}`" in finding.message and "Use a positive value" in finding.message
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "sppo_hard", ["sigmoid", "ipo"]])
+def test_beta_zero_blocked_for_losses_that_divide_by_it(loss_type):
+    finding = BETA.check(make_setup("dpo", "qwen2", args=make_args("dpo", beta=0.0, loss_type=loss_type)))
+    assert finding.action == "blocked" and "division by zero" in finding.message
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+@pytest.mark.parametrize("beta, fragment", [(0.0, "learns nothing"), (-0.1, "rejected answers")])
+def test_beta_zero_or_negative_warned(kind, beta, fragment):
+    # TRL trains these (constant loss, or the wrong direction): warned, not refused
+    finding = BETA.check(make_setup(kind, "qwen2", args=make_args(kind, beta=beta)))
+    assert finding.action == "warned" and fragment in finding.message
 
 
 @pytest.mark.parametrize("kind", ["dpo", "kto", "reward"])
@@ -708,8 +693,8 @@ def test_beta_positive_silent(kind):
 
 @pytest.mark.parametrize("mode", ["fix", "warn", "strict"])
 def test_blocked_finding_raises_in_every_mode(mode):
-    args = make_args("dpo", beta=0.0)
-    with pytest.raises(SafetyError, match=r"\[dpo.beta_positive\] `beta=0.0`"):
+    args = make_args("dpo", beta=0.0, loss_type="ipo")
+    with pytest.raises(SafetyError, match=r"\[dpo.beta_positive\] `beta=0.0` with `loss_type='ipo'`"):
         run_setup_stage(make_setup("dpo", "qwen2", args=args), mode=mode)
 
 
@@ -751,7 +736,12 @@ def test_reward_lora_check(task_type, mik, model_is_path, expected):
     peft_config = LoraConfig(task_type=task_type, target_modules=["q_proj", "v_proj"])
     model = None if model_is_path else build_model("qwen2", "seq_cls")
     setup = make_setup(
-        "reward", "qwen2", model=model, args=make_args("reward", model_init_kwargs=mik), peft_config=peft_config
+        "reward",
+        "qwen2",
+        model=model,
+        config=model_config("qwen2", dtype="float32"),  # a checkpoint stored in fp32: "auto" loads fp32
+        args=make_args("reward", model_init_kwargs=mik),
+        peft_config=peft_config,
     )
     finding = REWARD_LORA.check(setup)
     if expected is None:
@@ -765,6 +755,20 @@ def test_reward_lora_check(task_type, mik, model_is_path, expected):
         assert (got[path][1] is REMOVED) if new is REMOVED else got[path][1] == new
 
 
+@pytest.mark.parametrize("stored", ["float16", None])
+def test_reward_lora_leaves_fp16_to_the_precision_rule_when_auto_could_load_fp16(stored):
+    # `dtype="auto"` would load a checkpoint stored in fp16 in fp16 (or an unknown one maybe): the precision rule,
+    # which runs next, turns the fp16 request into bf16 instead
+    peft_config = LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"])
+    args = make_args("reward", model_init_kwargs={"dtype": "float16"})
+    config = model_config("gemma2", dtype=stored) if stored else model_config("gemma2")
+    setup = make_setup("reward", "gemma2", config=config, args=args, peft_config=peft_config)
+    assert REWARD_LORA.check(setup) is None
+    new, report = run_setup_stage(setup)
+    assert new.args.model_init_kwargs == {"dtype": "bfloat16"}
+    assert [f.action for f in report.by_rule("precision.bf16_over_fp16")] == ["fixed"]
+
+
 def test_reward_lora_without_peft_is_silent():
     setup = make_setup("reward", "qwen2", args=make_args("reward", model_init_kwargs={"dtype": "float16"}))
     assert REWARD_LORA.check(setup) is None
@@ -773,7 +777,8 @@ def test_reward_lora_without_peft_is_silent():
 def test_reward_lora_fix_copies_the_peft_config_and_runs_before_precision():
     peft_config = LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"])
     args = make_args("reward", model_init_kwargs={"dtype": "float16"})
-    setup = make_setup("reward", "qwen2", args=args, peft_config=peft_config)
+    config = model_config("qwen2", dtype="float32")
+    setup = make_setup("reward", "qwen2", config=config, args=args, peft_config=peft_config)
     new, report = run_setup_stage(setup)
     assert new.peft_config is not peft_config and new.peft_config.task_type == "SEQ_CLS"
     assert peft_config.task_type == "CAUSAL_LM"  # the user's PEFT config is untouched
@@ -787,7 +792,8 @@ def test_reward_lora_fix_copies_the_peft_config_and_runs_before_precision():
 def test_warn_mode_shows_what_each_rule_would_do():
     peft_config = LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"])
     args = make_args("reward", model_init_kwargs={"dtype": "float16"})
-    new, report = run_setup_stage(make_setup("reward", "qwen2", args=args, peft_config=peft_config), mode="warn")
+    setup = make_setup("reward", "qwen2", config=model_config("qwen2", dtype="float32"), args=args, peft_config=peft_config)
+    new, report = run_setup_stage(setup, mode="warn")
     assert new.args is args and new.peft_config is peft_config
     # nothing was applied, so the precision rule still sees the fp16 load dtype
     assert [(f.rule_id, f.action) for f in report.findings] == [
@@ -809,15 +815,18 @@ def test_reward_lora_check_built():
     model, config = _seq_cls_lora()
     assert REWARD_LORA.check_built(BuiltTrainer("reward", make_args("reward"), model, peft_config=config)) is None
 
+    # a frozen head has a fix (train it and save it with the adapter): fixed, not refused
     frozen, config = _seq_cls_lora(task_type=None)
     finding = REWARD_LORA.check_built(BuiltTrainer("reward", make_args("reward"), frozen, peft_config=config))
-    assert finding.action == "blocked" and "frozen after PEFT wrapping" in finding.message
+    assert finding.action == "fixed" and "is frozen in the PEFT model" in finding.message
+    assert finding.changes == (Change("model.peft_config.modules_to_save", None, ["score"]),)
 
+    # no head this rule knows by name: it cannot check it, so it says so (a custom head may be trained)
     no_head = get_peft_model(build_model("qwen2"), LoraConfig(target_modules=["q_proj"], r=2))
     finding = REWARD_LORA.check_built(
         BuiltTrainer("reward", make_args("reward"), no_head, peft_config=no_head.peft_config["default"])
     )
-    assert finding.action == "blocked" and "no `score` or `classifier` head" in finding.message
+    assert finding.action == "warned" and "no `score` or `classifier` head" in finding.message
 
     half, config = _seq_cls_lora(dtype=torch.float16)
     finding = REWARD_LORA.check_built(BuiltTrainer("reward", make_args("reward"), half, peft_config=config))
@@ -1014,7 +1023,7 @@ def test_engine_strict_mode_passes_a_clean_setup():
 
 
 def test_engine_blocked_findings_raise_before_any_fix():
-    args = make_args("kto", per_device_train_batch_size=1, beta=0.0, max_grad_norm=0.0)
+    args = make_args("kto", per_device_train_batch_size=1, beta=math.nan, max_grad_norm=0.0)
     setup = make_setup("kto", "qwen2", args=args, train_dataset=kto_data([True, True]))
     s = settings()
     enabled, _ = select_rules("kto", s)

@@ -7,7 +7,6 @@ where it should.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -15,7 +14,6 @@ import shutil
 import pytest
 import torch
 import trl
-from conftest import cpu_args
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
@@ -26,66 +24,14 @@ from safe_trainers import (
     DPOTrainer,
     GRPOConfig,
     GRPOTrainer,
-    KTOConfig,
-    KTOTrainer,
-    RewardConfig,
-    RewardTrainer,
     SafetyError,
 )
 from safe_trainers.toy import dataset_for
 
-TRAINERS = {"reward": RewardTrainer, "dpo": DPOTrainer, "kto": KTOTrainer, "grpo": GRPOTrainer}
-CONFIGS = {"reward": RewardConfig, "dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig}
-DEFAULT_MODEL = {"reward": "qwen2-rm", "dpo": "qwen2", "kto": "qwen2", "grpo": "qwen2"}
-
-
-def rank_reward(completions, **kwargs) -> list[float]:
-    """A GRPO reward that always differs inside a group, so every step has non-zero advantages."""
-    return [float(i % 4) for i in range(len(completions))]
-
-
-def config_kwargs(kind: str, tmp_path, **overrides) -> dict:
-    kwargs = cpu_args(output_dir=str(tmp_path / f"{kind}-out"))
-    if kind == "grpo":
-        kwargs.update(num_generations=2, max_completion_length=8)
-    kwargs.update(overrides)
-    return kwargs
-
-
-def build(kind: str, model, tmp_path, *, dataset=None, n=8, config_class=None, **overrides):
-    """A safe trainer of `kind`; `overrides` go to the config, except trainer keywords given as `trainer_*`."""
-    trainer_kwargs = {
-        k.removeprefix("trainer_"): overrides.pop(k) for k in list(overrides) if k.startswith("trainer_")
-    }
-    args = (config_class or CONFIGS[kind])(**config_kwargs(kind, tmp_path, **overrides))
-    if kind == "grpo":
-        trainer_kwargs.setdefault("reward_funcs", rank_reward)
-    data = dataset if dataset is not None else dataset_for(kind, n)
-    return TRAINERS[kind](model=model, args=args, train_dataset=data, **trainer_kwargs)
-
-
-def snapshot(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def changed(before: dict[str, torch.Tensor], model) -> list[str]:
-    return [name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())]
-
-
-def train_losses(trainer) -> list[float]:
-    trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert losses, trainer.state.log_history
-    return losses
-
-
-def actions(trainer) -> dict[str, str]:
-    return {f.rule_id: f.action for f in trainer.safety_report.findings}
-
-
-def read_report(trainer) -> dict:
-    with open(os.path.join(trainer.args.output_dir, "safety_report.json")) as f:
-        return json.load(f)
+from trainer_utils import (  # tests/ is on sys.path, as for conftest
+    CONFIGS, DEFAULT_MODEL, TRAINERS, actions, build, changed, config_kwargs, rank_reward, read_report, snapshot,
+    train_losses,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -282,11 +228,13 @@ def test_reward_lora_seq_cls_fp32_not_touched(toy_models, tmp_path):
 
 
 def test_reward_lora_fp16_instance_head_upcast(toy_models, tmp_path):
+    # with the precision rule off the fp16 weights stay; the reward rule still upcasts the trainable head
     model = AutoModelForSequenceClassification.from_pretrained(toy_models["qwen2-rm"], dtype=torch.float16)
     trainer = build(
         "reward",
         model,
         tmp_path,
+        safety_disable_rules=["precision.bf16_over_fp16"],
         trainer_peft_config=LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"], r=4),
     )
     (finding,) = trainer.safety_report.by_rule("peft.reward_seq_cls_lora")
@@ -297,16 +245,33 @@ def test_reward_lora_fp16_instance_head_upcast(toy_models, tmp_path):
     assert all(math.isfinite(loss) for loss in train_losses(trainer))
 
 
-def test_reward_peft_model_with_frozen_head_is_refused(toy_models, tmp_path):
+def test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head(toy_models, tmp_path):
+    # TRL's own `test_train_peft_model`: a `PeftModel` made with a plain `LoraConfig()` (no task type), so the random
+    # `score` head is frozen. It was refused; the fix is to train the head and save it with the adapter.
     model = AutoModelForSequenceClassification.from_pretrained(toy_models["qwen2-rm"])
+    base_names = {f"base_model.model.{n}" for n, _ in model.named_parameters()}
     model = get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
-    with pytest.raises(SafetyError, match=r"\[peft.reward_seq_cls_lora\] the reward head .* is frozen after PEFT"):
-        build("reward", model, tmp_path, n=4)
+    trainer = build("reward", model, tmp_path, n=4)
+    (finding,) = trainer.safety_report.by_rule("peft.reward_seq_cls_lora")
+    assert finding.action == "fixed" and "`score`" in finding.message
+    assert [(c.path, c.old, c.new) for c in finding.changes] == [("model.peft_config.modules_to_save", None, ["score"])]
+    head = {n: p.requires_grad for n, p in trainer.model.named_parameters() if "score" in n}
+    assert any(head.values()), head
+
+    before = snapshot(trainer.model)
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+    moved = set(changed(before, trainer.model))
+    assert not moved & base_names  # the base model (its original head included) is untouched
+    assert any("score.modules_to_save" in n for n in moved) and any("lora_B" in n for n in moved)
+    trainer.save_model()
+    with safe_open(os.path.join(trainer.args.output_dir, "adapter_model.safetensors"), "pt") as f:
+        assert any("score" in key for key in f.keys())
 
 
 def test_full_finetune_fp16_instance_is_upcast(toy_models, tmp_path):
+    # with `precision.bf16_over_fp16` off the fp16 weights stay, and this rule upcasts the trainable ones
     model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"], dtype=torch.float16)
-    trainer = build("dpo", model, tmp_path)
+    trainer = build("dpo", model, tmp_path, safety_disable_rules=["precision.bf16_over_fp16"])
     (finding,) = trainer.safety_report.by_rule("precision.fp32_trainable_params")
     assert finding.action == "fixed"
     assert len(finding.data["names"]) == len(list(trainer.model.parameters()))
@@ -331,7 +296,12 @@ def test_grad_clip_and_nonfinite_logging_fixed(kind, toy_models, tmp_path):
 @pytest.mark.parametrize("kind", ["reward", "grpo"])
 def test_grad_clip_and_nonfinite_logging_quiet_when_set(kind, toy_models, tmp_path):
     trainer = build(
-        kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, n=4, max_grad_norm=0.5, logging_nan_inf_filter=False
+        kind,
+        toy_models[DEFAULT_MODEL[kind]],
+        tmp_path,
+        n=4,
+        max_grad_norm=0.5,
+        logging_nan_inf_filter=False,
     )
     assert trainer.args.max_grad_norm == 0.5
     assert trainer.safety_report.findings == []
@@ -428,26 +398,53 @@ def test_kto_batch_of_one_refused(toy_models, tmp_path):
         build("kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1)
 
 
-@pytest.mark.parametrize("label, missing", [(True, "undesirable"), (False, "desirable")])
-def test_kto_single_label_refused(label, missing, toy_models, tmp_path):
+@pytest.mark.parametrize("label", [True, False])
+def test_kto_single_label_dataset_trains(label, toy_models, tmp_path):
+    # only desirable (or only undesirable) examples: TRL skips the empty side and averages with `nanmean`
     data = dataset_for("kto", 8).map(lambda row: {"label": label})
-    with pytest.raises(SafetyError, match=rf"with no {missing} \(`label={not label}`\) example") as exc:
-        build("kto", toy_models["qwen2"], tmp_path, dataset=data)
-    assert len(exc.value.findings) == 1
+    trainer = build("kto", toy_models["qwen2"], tmp_path, dataset=data, learning_rate=1e-6)
+    assert "kto.batch_and_labels" not in actions(trainer)
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
 
 
-def test_kto_batch_and_labels_reported_together(toy_models, tmp_path):
-    data = dataset_for("kto", 8).map(lambda row: {"label": True})
+def test_kto_apo_zero_unpaired_batch_of_one_trains(toy_models, tmp_path):
+    # no KL term, so nothing needs two examples per micro-batch
+    trainer = build(
+        "kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1, loss_type="apo_zero_unpaired"
+    )
+    assert "kto.batch_and_labels" not in actions(trainer)
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+def test_kto_batch_and_beta_reported_together(toy_models, tmp_path):
     with pytest.raises(SafetyError, match=r"\(2 problems\)") as exc:
-        build("kto", toy_models["qwen2"], tmp_path, dataset=data, per_device_train_batch_size=1, beta=0.0)
+        build("kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1, beta=math.inf)
     assert [f.rule_id for f in exc.value.findings] == ["kto.batch_and_labels", "dpo.beta_positive"]
-    assert "`per_device_train_batch_size=1`" in str(exc.value) and "8 desirable and 0 undesirable" in str(exc.value)
+    assert "`per_device_train_batch_size=1`" in str(exc.value) and "`beta=inf`" in str(exc.value)
+
+
+def test_dpo_beta_zero_with_ipo_refused(toy_models, tmp_path):
+    with pytest.raises(SafetyError, match=r"\[dpo.beta_positive\] `beta=0.0` with `loss_type='ipo'`"):
+        build("dpo", toy_models["qwen2"], tmp_path, beta=0.0, loss_type="ipo")
+
+
+def test_dpo_beta_zero_with_ipo_crashes_in_trl(toy_models, tmp_path):
+    # the control for the refusal above: TRL itself fails with a division by zero on the first step
+    trainer = trl.DPOTrainer(
+        model=toy_models["qwen2"],
+        args=trl.DPOConfig(**config_kwargs("dpo", tmp_path, beta=0.0, loss_type="ipo")),
+        train_dataset=dataset_for("dpo", 4),
+    )
+    with pytest.raises(ZeroDivisionError):
+        trainer.train()
 
 
 @pytest.mark.parametrize("kind", ["dpo", "kto"])
-def test_beta_zero_refused(kind, toy_models, tmp_path):
-    with pytest.raises(SafetyError, match=r"\[dpo.beta_positive\] `beta=0.0`"):
-        build(kind, toy_models["qwen2"], tmp_path, beta=0.0)
+def test_beta_zero_warned_and_trains(kind, toy_models, tmp_path):
+    trainer = build(kind, toy_models["qwen2"], tmp_path, beta=0.0)
+    assert actions(trainer)["dpo.beta_positive"] == "warned"
+    assert trainer.args.beta == 0.0
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
 
 
 @pytest.mark.parametrize("kind", ["dpo", "kto"])
@@ -566,7 +563,9 @@ def test_strict_mode_raises_one_error_with_every_finding(toy_models, tmp_path):
 
 
 def test_strict_mode_passes_a_safe_config(toy_models, tmp_path):
-    trainer = build("dpo", toy_models["qwen2"], tmp_path, n=4, safety_mode="strict", logging_nan_inf_filter=False)
+    trainer = build(
+        "dpo", toy_models["qwen2"], tmp_path, n=4, safety_mode="strict", logging_nan_inf_filter=False
+    )
     assert trainer.safety_report.findings == [] and trainer.safety_report.mode == "strict"
 
 
@@ -607,7 +606,7 @@ def test_warn_mode_changes_nothing(toy_models, tmp_path):
 
 def test_warn_mode_still_refuses_blocked_findings(toy_models, tmp_path):
     with pytest.raises(SafetyError, match=r"\[dpo.beta_positive\]"):
-        build("dpo", toy_models["qwen2"], tmp_path, beta=0.0, safety_mode="warn")
+        build("dpo", toy_models["qwen2"], tmp_path, beta=0.0, loss_type="ipo", safety_mode="warn")
 
 
 def test_off_mode_runs_no_rule(toy_models, tmp_path):

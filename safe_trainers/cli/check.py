@@ -1,4 +1,8 @@
-"""`safe-trainers check`: lint a trainer config with the safety rules, without loading weights or training."""
+"""`safe-trainers check`: lint a trainer config for the hardware it will train on, without loading weights or training.
+
+The lint runs where the run is planned, not where it trains: the hardware facts the rules use (bf16 support, GPU
+name, CUDA and cuBLAS versions) come from `--target-hardware` and its companions, and the report says what was assumed.
+"""
 
 from __future__ import annotations
 
@@ -7,47 +11,158 @@ import sys
 
 
 KINDS = ("reward", "dpo", "kto", "grpo")
+DEFAULT_TARGET = "a CUDA GPU with bf16 (Ampere or newer), CUDA and cuBLAS versions not given"
+EPILOG = """\
+examples:
+  safe-trainers check --trainer dpo --config c.yaml --model path/to/gemma-2 --fp16 true
+  safe-trainers check --trainer grpo --config c.yaml --target-hardware H20 --cuda-version 12.1
+  safe-trainers check --trainer dpo --config c.yaml --target-hardware V100 --accelerate-config fp16.yaml
+
+Arguments the check does not know are config overrides (TRL's flags, e.g. `--fp16 true`), as for the launch
+scripts; `--` before them is optional.
+Exit codes: 0 no finding, 1 `safety_mode=strict` would fail, 2 the config itself is invalid."""
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "check",
         help="Print the safety report for a config without training (exit 1 if `safety_mode=strict` would fail).",
-        description="Runs the construction-time rules on a YAML config (the same file the launch scripts take) and "
-        "prints what they would change. Only `config.json` is read from the model: no weight is loaded. Extra "
-        "arguments after the options are parsed as config overrides, e.g. `--fp16 true`.",
+        description="Runs the construction-time rules on a YAML config (the same file the launch scripts take) for "
+        "the target hardware, and prints what they would change. Only `config.json` and the tokenizer files are read "
+        "from the model: no weight is loaded.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an override such as `--model_init_kwargs` must never be read as one of these options
     )
     parser.add_argument("--trainer", required=True, choices=KINDS, help="Which trainer the config is for.")
     parser.add_argument("--config", required=True, help="A YAML config, as taken by `launch/train_<trainer>.py`.")
     parser.add_argument("--model", default=None, help="Model path or id (overrides `model_name_or_path`).")
-    parser.set_defaults(run=run)
-    parser.epilog = "Exit codes: 0 no finding, 1 `safety_mode=strict` would fail, 2 the config itself is invalid."
+    target = parser.add_argument_group(
+        "target hardware",
+        f"What the run will train on. Default: {DEFAULT_TARGET}. The report says what was assumed.",
+    )
+    target.add_argument(
+        "--target-hardware",
+        "--target_hardware",
+        dest="target_hardware",
+        default=None,
+        metavar="GPU",
+        help="The GPU the run will use, as `nvidia-smi` names it (H100, A100, H20, L40S, V100, T4, ...), `cpu`, or "
+        "`local` for this machine.",
+    )
+    target.add_argument(
+        "--bf16-supported",
+        "--bf16_supported",
+        dest="bf16_supported",
+        type=_bool,
+        default=None,
+        metavar="BOOL",
+        help="Whether the target GPU has bf16 (needed for a GPU the check does not know; overrides the table).",
+    )
+    target.add_argument("--cuda-version", "--cuda_version", dest="cuda_version", default=None, metavar="V",
+                        help="CUDA version of the target's torch build (`torch.version.cuda`), e.g. 12.1.")  # fmt: skip
+    target.add_argument(
+        "--cublas-version",
+        "--cublas_version",
+        dest="cublas_version",
+        default=None,
+        metavar="V",
+        help="Version of the `nvidia-cublas-cu12` wheel on the target (`pip show nvidia-cublas-cu12`), e.g. 12.1.3.1.",
+    )
+    target.add_argument(
+        "--accelerate-config",
+        "--accelerate_config",
+        dest="accelerate_config",
+        default=None,
+        metavar="FILE",
+        help="The accelerate config file the run is launched with: its `mixed_precision` applies when the trainer "
+        "config sets neither `fp16` nor `bf16`, as under `accelerate launch --config_file`.",
+    )
+    parser.set_defaults(run=run, accepts_overrides=True)
+
+
+def target_hardware(ns: argparse.Namespace):
+    """The [`Hardware`] the lint assumes: the named target, this machine (`local`), or the default GPU."""
+    from ..hardware import Hardware
+
+    name = ns.target_hardware
+    if name is not None and name.strip().lower() == "local":
+        facts = Hardware.detect(probe=False)
+        return _with_source(facts, f"this machine: {facts.describe()}")
+    if name is None:
+        bf16 = True if ns.bf16_supported is None else ns.bf16_supported
+        facts = Hardware(accelerator="cuda", bf16_supported=bf16, cuda_version=ns.cuda_version,
+                         cublas_version=ns.cublas_version)  # fmt: skip
+        if ns.bf16_supported is None and ns.cuda_version is None and ns.cublas_version is None:
+            return _with_source(facts, f"{DEFAULT_TARGET} (set it with `--target-hardware`)")
+        return _with_source(facts, facts.describe())
+    return Hardware.target(
+        name, bf16_supported=ns.bf16_supported, cuda_version=ns.cuda_version, cublas_version=ns.cublas_version
+    )
+
+
+def _with_source(facts, source: str):
+    import dataclasses
+
+    return dataclasses.replace(facts, source=source)
+
+
+def accelerate_mixed_precision(path: str) -> str | None:
+    """`mixed_precision` of an accelerate config file (`None` when it sets none)."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    value = data.get("mixed_precision")
+    return None if value is None else str(value).lower()
 
 
 def run(ns: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes drown the report
-    from ..engine import new_report, run_stage, select_rules
     from ..apply import apply_to_setup
     from ..arguments import SafetyArguments
+    from ..engine import new_report, run_stage, select_rules
     from ..errors import SafetyError
-    from ..scripts import model_and_peft, parse_args
+    from ..scripts import has_accelerator, model_and_peft, parse_args
     from ..setup import build_setup
 
+    try:
+        hardware = target_hardware(ns)
+        launcher_precision = accelerate_mixed_precision(ns.accelerate_config) if ns.accelerate_config else None
+    except (ValueError, OSError) as error:
+        print(f"safe-trainers check: error: {error}", file=sys.stderr)
+        return 2
     overrides = list(ns.passthrough)
     if ns.model:
         overrides += ["--model_name_or_path", ns.model]
+    if hardware.accelerator != "cpu" and not has_accelerator():
+        # transformers validates bf16 against *this* machine while parsing; the lint is for the target, so parse as
+        # a CPU config here (the target's facts, not `use_cpu`, are what the rules read).
+        overrides += ["--use_cpu", "true"]
     try:
-        _, training_args, model_args = parse_args(ns.trainer, ["--config", ns.config, *overrides])
+        _, training_args, model_args = parse_args(ns.trainer, ["--config", ns.config, *overrides], announce_cpu=False)
     except (ValueError, OSError) as error:  # the config itself is invalid (TRL's or transformers' own checks)
         print(f"safe-trainers check: `{ns.config}` is not a valid {ns.trainer} config: {error}", file=sys.stderr)
         return 2
+    if launcher_precision and not (training_args.fp16 or training_args.bf16):
+        training_args.mixed_precision = launcher_precision  # what `accelerate launch --config_file` would give it
     model, training_args, peft_config = model_and_peft(ns.trainer, model_args, training_args)
-    setup = build_setup(ns.trainer, training_args, model, peft_config=peft_config)
+    setup = build_setup(ns.trainer, training_args, model, peft_config=peft_config, hardware=hardware)
     settings = SafetyArguments.from_config(training_args)
     enabled, disabled = select_rules(ns.trainer, settings)
     report = new_report(ns.trainer, settings, disabled)
+    report.hardware = hardware.source
     if settings.safety_mode != "off":
         try:
             run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
@@ -58,7 +173,7 @@ def run(ns: argparse.Namespace) -> int:
     print(report.render())
     print(
         "note: rules that need the loaded model or the tokenized data (`data.no_loss_tokens`, the reward head "
-        "check, `precision.fp32_trainable_params`) run when the trainer is built."
+        "check, `tokens.untrained_embeddings`, `precision.fp32_trainable_params`) run when the trainer is built."
     )
     findings = [f for f in report.findings if f.action != "skipped"]
     blocked = [f for f in findings if f.action == "blocked"]

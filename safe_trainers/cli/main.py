@@ -28,8 +28,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, tail = argv[:cut], argv[cut + 1 :]
-    ns = parser.parse_args(argv)
-    ns.passthrough = tail
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(ns, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    # `check` takes config overrides (`--fp16 true`) with or without a `--` before them.
+    ns.passthrough = unknown + tail
     return int(ns.run(ns) or 0)
 
 

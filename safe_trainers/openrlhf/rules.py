@@ -209,7 +209,7 @@ class GroupSize(Rule):
 
 class KtoBatchAndLabels(Rule):
     id = "kto.batch_and_labels"
-    summary = "OpenRLHF KTO needs `--micro_train_batch_size` >= 2 (its KL baseline pairs examples of a micro-batch)."
+    summary = "OpenRLHF KTO with `--micro_train_batch_size 1`: `--vanilla_loss` removed (NaN), otherwise warned."
     trainers = OPENRLHF
     rationale = "https://github.com/OpenRLHF/OpenRLHF/issues/326"
 
@@ -217,23 +217,29 @@ class KtoBatchAndLabels(Rule):
         flag = view.flag("micro_batch")
         if view.entry != "train_kto" or flag is None or view.value(flag) is None or view.number(flag, 8) >= 2:
             return None
+        baseline = (
+            "OpenRLHF's KTO loss estimates its KL baseline from mismatched pairs inside each micro-batch (prompt i "
+            "with completion i+1); with one example the pair is the example itself, so the baseline is just its own "
+            "log-ratio. Use 2 or more."
+        )
         vanilla = view.flag("vanilla_loss")
         if view.has(vanilla):
-            return self.blocked(
-                f"{_shown(view, flag)} with `{vanilla}`: every micro-batch then holds only desirable or only "
-                "undesirable examples, so the vanilla KTO loss takes a mean over nothing on every step (NaN). Use a "
-                f"micro-batch of 2 or more, or drop `{vanilla}`."
+            return self.fixed(
+                f"`{vanilla}` removed: with {_shown(view, flag)} every micro-batch holds only desirable or only "
+                "undesirable examples, so the vanilla KTO loss takes a mean over nothing on every step (NaN). "
+                + baseline,
+                Change(f"argv.{vanilla}", True, REMOVED),
             )
-        return self.warned(
-            f"{_shown(view, flag)}: OpenRLHF's KTO estimates its KL baseline from mismatched pairs inside each "
-            "micro-batch (prompt i with completion i+1); with one example the pair is the example itself, so the "
-            "baseline is just its own log-ratio. Use 2 or more."
-        )
+        return self.warned(f"{_shown(view, flag)}: {baseline}")
+
+
+# OpenRLHF's IPO loss is `(logits - 1 / (2 * beta)) ** 2`: `beta=0` is a division by zero.
+IPO_FLAGS = ("--ipo", "--model.ipo_enable")
 
 
 class BetaPositive(Rule):
     id = "dpo.beta_positive"
-    summary = "OpenRLHF DPO and KTO need a finite `--beta` (`--model.beta`) > 0."
+    summary = "OpenRLHF DPO/KTO `--beta`: non-finite, or 0 with IPO, is refused; 0 or negative otherwise warned."
     trainers = OPENRLHF
     rationale = "https://github.com/huggingface/trl/blob/main/trl/trainer/dpo_trainer.py"
 
@@ -244,10 +250,25 @@ class BetaPositive(Rule):
         beta = view.number(flag, 0.1)
         if math.isfinite(beta) and beta > 0:
             return None
-        return self.blocked(
-            f"{_shown(view, flag)}: the preference loss scales the policy/reference log-ratio by beta, so beta <= 0 "
-            "gives a constant loss with no gradient (or the wrong sign), and inf/NaN make it NaN. Use a positive "
-            "value, e.g. 0.1 (OpenRLHF's DPO default)."
+        ipo = next((item.name for item in view.command.items if item.name in IPO_FLAGS), None)
+        if not math.isfinite(beta):
+            return self.blocked(
+                f"{_shown(view, flag)}: the preference loss multiplies the policy/reference log-ratio by beta, so "
+                "the loss is NaN or inf from the first step. Use a positive value, e.g. 0.1 (OpenRLHF's DPO default)."
+            )
+        if beta == 0 and ipo and view.entry == "train_dpo":
+            return self.blocked(
+                f"{_shown(view, flag)} with `{ipo}`: the IPO loss divides by beta (its target is `1 / (2 * beta)`), so "
+                "training fails with a division by zero. Use a positive value, e.g. 0.1."
+            )
+        effect = (
+            "the loss is a constant with no gradient and the run learns nothing"
+            if beta == 0
+            else "training raises the likelihood of the rejected answers"
+        )
+        return self.warned(
+            f"{_shown(view, flag)}: the preference loss multiplies the policy/reference log-ratio by beta, so "
+            f"{effect}. Use a positive value, e.g. 0.1 (OpenRLHF's DPO default)."
         )
 
 

@@ -10,9 +10,12 @@ release would reject.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -21,7 +24,7 @@ from typing import Any, TextIO
 from ..arguments import SAFETY_MODES
 from ..engine import run_stage, skipped_findings
 from ..errors import SafetyError
-from ..report import Finding, SafetyReport
+from ..report import SHIM_OPT_OUT, Finding, SafetyReport
 from ..rules.base import Rule
 from .command import (
     CommandError, CommandView, OpenRLHFCommand, apply_changes, detect_generations, model_paths, parse_command,
@@ -37,6 +40,42 @@ def installed_openrlhf_version() -> str | None:
         return importlib.metadata.version("openrlhf")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+# Signals a job scheduler, `timeout`, Kubernetes or a terminal sends to the shim (the top process), passed on to the
+# launcher's process group so the launcher and its workers stop too. SIGKILL cannot be caught or passed on.
+FORWARDED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
+)  # fmt: skip
+
+
+def launch(argv: list[str]) -> subprocess.CompletedProcess:
+    """Run `argv` (no shell) in its own process group and wait for it, forwarding every signal of
+    `FORWARDED_SIGNALS` that reaches this process to that whole group (launcher and workers, exactly once: a
+    terminal's Ctrl-C reaches only this process's group). Returns when the launcher exits, with its exit status.
+
+    Raises:
+        `FileNotFoundError`: the launcher is not on `PATH`.
+    """
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    process = subprocess.Popen(argv, **group)
+
+    def forward(signum: int, frame: object) -> None:
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:  # the group is already gone
+            pass
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # Python installs handlers only there
+        handlers = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        returncode = process.wait()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess(argv, returncode)
 
 
 def local_bf16_support() -> bool | None:
@@ -149,7 +188,7 @@ def plan(
     if not argv:
         raise CommandError("no command given: put the OpenRLHF launcher command after `--`.")
     if mode == "off":
-        return Plan(argv, SafetyReport(trainer="openrlhf", mode=mode))
+        return Plan(argv, SafetyReport(trainer="openrlhf", mode=mode, opt_out=SHIM_OPT_OUT))
 
     command = parse_command(argv)
     generations, source, notes = _generations(command, version, (installed or installed_openrlhf_version)())
@@ -166,9 +205,8 @@ def plan(
         return apply_changes(current, finding.changes, generations[0])
 
     enabled = [rule for rule in RULES if rule.id not in disabled]
-    report = SafetyReport(
-        trainer="openrlhf", mode=mode, findings=skipped_findings(r for r in RULES if r.id in disabled)
-    )
+    skipped = skipped_findings((r for r in RULES if r.id in disabled), SHIM_OPT_OUT)
+    report = SafetyReport(trainer="openrlhf", mode=mode, findings=skipped, opt_out=SHIM_OPT_OUT)
     final = run_stage(command, enabled, SimpleNamespace(safety_mode=mode), report, check=check, apply=apply)
     new_argv = final.argv if mode == "fix" else argv
     return Plan(new_argv, report, command, generations, source, models, tuple(notes))
@@ -209,12 +247,13 @@ def run(
     disabled: Iterable[str] = (),
     *,
     dry_run: bool = False,
-    runner: Callable[..., Any] = subprocess.run,
+    runner: Callable[..., Any] = launch,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     **kwargs: Any,
 ) -> int:
-    """Sanitize `argv`, print the report (stderr), then run the command as an argument list, never through a shell.
+    """Sanitize `argv`, print the report (stderr), then run the command as an argument list, never through a shell,
+    in its own process group: SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1/2 sent to this process are passed on to it.
 
     Returns:
         `int`: the command's exit code (128 + N when killed by signal N); 0 for `dry_run` (the command is printed to
@@ -251,4 +290,4 @@ def run(
     return 128 - code if code < 0 else code
 
 
-__all__ = ["Plan", "installed_openrlhf_version", "plan", "run", "sanitize"]
+__all__ = ["Plan", "installed_openrlhf_version", "launch", "plan", "run", "sanitize"]

@@ -1,7 +1,8 @@
 """The safety rules, in the order they run.
 
-Order matters where two rules touch one setting: the reward LoRA rule picks `dtype="auto"` before the precision rule
-would turn the same fp16 request into bf16. Ids are stable: never rename one, deprecate it instead.
+Order matters where two rules touch one setting: the reward LoRA rule picks `dtype="auto"` (for a checkpoint not stored
+in fp16) before the precision rule would turn the same fp16 request into bf16, and the hardware rules see the precision
+the earlier rules chose. Ids are stable: never rename one, deprecate it instead; new rules are appended.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from .attention import Gemma2NoFlash
 from .base import ALL_TRAINERS, BuiltTrainer, Rule
 from .data import NoLossTokens
 from .grpo import GroupSize
+from .hardware import Bf16Supported, CublasSigfpe
 from .logs import ShowNonFinite
-from .optim import GradClip
+from .optim import GradClip, LearningRate
 from .peft import RewardSeqClsLora
 from .precision import Fp32TrainableParams, PreferBf16
 from .preference import BetaPositive, KtoBatchAndLabels
+from .rl import RouterAuxLoss, VllmIsTruncation, VocabSize
+from .tokens import RewardPadToken, UntrainedEmbeddings
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (
@@ -28,6 +32,14 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     BetaPositive(),
     NoLossTokens(),
     Fp32TrainableParams(),
+    Bf16Supported(),
+    CublasSigfpe(),
+    LearningRate(),
+    RewardPadToken(),
+    UntrainedEmbeddings(),
+    VocabSize(),
+    VllmIsTruncation(),
+    RouterAuxLoss(),
 )
 
 

@@ -22,6 +22,8 @@ class BuiltTrainer:
         train_dataset (`Dataset | IterableDataset | None`): the training dataset after TRL's tokenization.
         peft_config (`PeftConfig | None`): the PEFT config the trainer used.
         source_rows (`int | None`): the number of rows of the training dataset as passed, before TRL's preprocessing.
+        processing_class (`PreTrainedTokenizerBase | ProcessorMixin | None`): the tokenizer or processor TRL uses.
+        ref_model (`PreTrainedModel | None`): the reference model TRL built or was given (DPO, KTO, GRPO with `beta`).
     """
 
     kind: str
@@ -30,6 +32,8 @@ class BuiltTrainer:
     train_dataset: Any = None
     peft_config: Any = None
     source_rows: int | None = None
+    processing_class: Any = None
+    ref_model: Any = None
 
 
 class Rule:

@@ -52,3 +52,31 @@ class GradClip(Rule):
                 + " 1.0 is the common choice for preference and RL fine-tuning."
             )
         return None
+
+
+# Full fine-tuning of every weight in preference/RL training (TRL's DPO, KTO, GRPO and RLOO default to 1e-6): above
+# this, the policy leaves the reference within a few steps and the loss saturates or diverges. A heuristic: warned.
+FULL_FINETUNE_MAX_LR = 1e-5
+
+
+def is_full_finetune(setup) -> bool:
+    """No PEFT config and no PEFT model passed in: every weight is trained."""
+    return setup.peft_config is None and not hasattr(setup.model, "peft_config")
+
+
+class LearningRate(Rule):
+    id = "optim.learning_rate"
+    summary = f"Full fine-tuning in preference/RL training with `learning_rate` > {FULL_FINETUNE_MAX_LR:g}: warned."
+    trainers = frozenset({"dpo", "kto", "grpo", "rloo"})
+    rationale = "https://github.com/huggingface/trl/blob/main/trl/trainer/dpo_config.py"
+
+    def check(self, setup) -> Finding | None:
+        lr = getattr(setup.args, "learning_rate", None)
+        if not isinstance(lr, (int, float)) or lr <= FULL_FINETUNE_MAX_LR or not is_full_finetune(setup):
+            return None
+        return self.warned(
+            f"`learning_rate={lr:g}` while training every weight: preference and RL fine-tuning usually runs at "
+            f"1e-7 to 5e-6 (TRL's default is 1e-6), and above {FULL_FINETUNE_MAX_LR:g} the policy moves far from the "
+            "reference within a few steps, so the loss saturates or diverges. Use about 1e-6, or LoRA (a "
+            "`peft_config`), which tolerates 1e-5 to 1e-4."
+        )

@@ -1,10 +1,10 @@
-"""PEFT rule for reward models: a LoRA reward model needs `task_type="SEQ_CLS"`, a trainable head, no fp16 weights."""
+"""PEFT rule for reward models: a LoRA reward model needs a trainable, saved head and no fp16 weights."""
 
 from __future__ import annotations
 
 from ..report import Change, Finding
 from .base import BuiltTrainer, Rule
-from .precision import dtype_changes, fp16_trainable_parameters, is_fp16, requested_dtype
+from .precision import checkpoint_dtype, dtype_changes, fp16_trainable_parameters, is_fp16, requested_dtype
 
 
 HEAD_NAMES = ("score", "classifier")
@@ -19,9 +19,14 @@ def head_parameters(model) -> dict[str, bool]:
     }
 
 
+def head_module_names(head: dict[str, bool]) -> list[str]:
+    """The head module names (`score`, `classifier`) that the head parameter names contain, in order."""
+    return [name for name in HEAD_NAMES if any(name in param.split(".") for param in head)]
+
+
 class RewardSeqClsLora(Rule):
     id = "peft.reward_seq_cls_lora"
-    summary = 'LoRA reward models get `task_type="SEQ_CLS"` (head trained and saved), dtype "auto", no fp16 params.'
+    summary = 'LoRA reward models get a trainable head saved with the adapter (`task_type="SEQ_CLS"`), no fp16 head.'
     trainers = frozenset({"reward"})
     rationale = "https://github.com/huggingface/trl/issues/2367"
 
@@ -40,11 +45,14 @@ class RewardSeqClsLora(Rule):
                 '(`"SEQ_CLS"` makes PEFT train it and save it with the adapter)'
             )
         load = requested_dtype(setup.model_init_kwargs)
-        if setup.model_is_path and load is not None and is_fp16(load[1]):
+        stored = checkpoint_dtype(setup.model_config)
+        # `"auto"` loads the checkpoint's own precision: safe only when the checkpoint is not stored in fp16 (an fp16
+        # checkpoint is left to `precision.bf16_over_fp16`, which picks bf16, or fp32 without bf16 hardware).
+        if setup.model_is_path and load is not None and is_fp16(load[1]) and stored is not None and not is_fp16(stored):
             changes += dtype_changes(setup.model_init_kwargs, "auto")
             reasons.append(
                 f"`{load[0]}={load[1]!r}` makes the trained head fp16, which gives loss ~1e34 then NaN; "
-                '`dtype="auto"` loads the checkpoint\'s own precision'
+                f'`dtype="auto"` loads the checkpoint\'s own precision (`{stored}`)'
             )
         if not changes:
             return None
@@ -55,14 +63,18 @@ class RewardSeqClsLora(Rule):
             return None
         head = head_parameters(built.model)
         if not head:
-            return self.blocked(
-                "the reward model has no `score` or `classifier` head, so PEFT cannot train one. Load the model with "
-                "`AutoModelForSequenceClassification` and `num_labels=1`."
+            return self.warned(
+                "the reward model has no `score` or `classifier` head, so it cannot be checked that PEFT trains and "
+                "saves it. If the head has another name, add it to `modules_to_save` in the `peft_config`."
             )
         if not any(head.values()):
-            return self.blocked(
-                f"the reward head ({', '.join(head)}) is frozen after PEFT wrapping, so the reward stays random. Set "
-                '`task_type="SEQ_CLS"` or `modules_to_save=["score"]` in the `peft_config`.'
+            modules = head_module_names(head)
+            old = list(getattr(built.peft_config, "modules_to_save", None) or [])
+            return self.fixed(
+                f"the reward head (`{'`, `'.join(modules)}`) is frozen in the PEFT model, so the reward it outputs "
+                "would stay random and would not be saved with the adapter. Made it trainable and saved with the "
+                f"adapter (`modules_to_save={old + modules}`), as `task_type=\"SEQ_CLS\"` does.",
+                Change("model.peft_config.modules_to_save", old or None, old + modules),
             )
         names = fp16_trainable_parameters(built.model)
         if names:

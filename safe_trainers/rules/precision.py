@@ -1,4 +1,5 @@
-"""Precision rules: bf16 instead of fp16, and no trainable parameter left in fp16."""
+"""Precision rules: no fp16 anywhere it can overflow (flags, accelerate, DeepSpeed, load dtype, weights passed in), and
+no trainable parameter left in fp16."""
 
 from __future__ import annotations
 
@@ -17,12 +18,28 @@ FP16_OVERFLOW_FAMILIES = frozenset(
         "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "glm4_moe", "glm4_moe_lite", "t5", "mt5",
     }
 )  # fmt: skip
-FP16_NAMES = frozenset({"float16", "fp16", "half", "torch.float16"})
+DTYPE_NAMES = {
+    "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "float32": "float32", "fp32": "float32", "float": "float32", "torch.float32": "float32",
+}  # fmt: skip
+TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# TRL loads a model path in float32 when `model_init_kwargs` names no dtype (`trl.trainer.utils.create_model_from_path`).
+TRL_DEFAULT_LOAD_DTYPE = "float32"
+
+
+def dtype_name(value: object) -> str | None:
+    """`"float16"`, `"bfloat16"`, `"float32"`, `"auto"` for a dtype as `from_pretrained` accepts it; `None` otherwise."""
+    if isinstance(value, torch.dtype):
+        return TORCH_DTYPE_NAMES.get(value)
+    if isinstance(value, str):
+        return "auto" if value == "auto" else DTYPE_NAMES.get(value.lower())
+    return None
 
 
 def is_fp16(dtype: object) -> bool:
     """Whether a `dtype` value (a `torch.dtype` or a string as accepted by `from_pretrained`) means float16."""
-    return dtype == torch.float16 or (isinstance(dtype, str) and dtype.lower() in FP16_NAMES)
+    return dtype_name(dtype) == "float16"
 
 
 def requested_dtype(model_init_kwargs: dict) -> tuple[str, object] | None:
@@ -31,6 +48,26 @@ def requested_dtype(model_init_kwargs: dict) -> tuple[str, object] | None:
         if key in model_init_kwargs:
             return key, model_init_kwargs[key]
     return None
+
+
+def checkpoint_dtype(model_config) -> str | None:
+    """The dtype a checkpoint is stored in (`config.json`'s `dtype`/`torch_dtype`), as a name; `None` if unknown."""
+    for config in (model_config, getattr(model_config, "text_config", None)):
+        for key in ("dtype", "torch_dtype"):
+            name = dtype_name(getattr(config, key, None)) if config is not None else None
+            if name is not None and name != "auto":
+                return name
+    return None
+
+
+def load_dtype(model_init_kwargs: dict, model_config) -> tuple[str | None, str | None]:
+    """`(requested, resolved)` load dtype names for a model path: `"auto"` (and `None`) resolve to the checkpoint's
+    own dtype; no request resolves to TRL's default, float32."""
+    request = requested_dtype(model_init_kwargs)
+    if request is None:
+        return None, TRL_DEFAULT_LOAD_DTYPE
+    name = dtype_name(request[1]) if request[1] is not None else "auto"
+    return name, checkpoint_dtype(model_config) if name == "auto" else name
 
 
 def dtype_changes(model_init_kwargs: dict, new: str) -> list[Change]:
@@ -42,66 +79,99 @@ def dtype_changes(model_init_kwargs: dict, new: str) -> list[Change]:
     return changes
 
 
+def parameter_dtypes(model) -> set[str]:
+    """The floating dtypes of a model instance's parameters, as names (`set()` for a path or no model)."""
+    if model is None or isinstance(model, str) or not hasattr(model, "parameters"):
+        return set()
+    return {TORCH_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in model.parameters() if p.is_floating_point()}
+
+
+def launcher_precision(args) -> str | None:
+    """The mixed precision accelerate chose outside the config (`accelerate launch --mixed_precision`, its config
+    file, or `ACCELERATE_MIXED_PRECISION`), as `args.mixed_precision` resolved it; `None` when the flags decide."""
+    resolved = getattr(args, "mixed_precision", "no")
+    if args.fp16 or args.bf16 or resolved in (None, "no"):
+        return None
+    return resolved
+
+
+def fp16_sources(setup) -> list[tuple[str, str]]:
+    """Where fp16 comes from, as `(kind, how the user asked for it)`: `flag`, `launcher`, `deepspeed` (the AMP side);
+    `load` (a path's load dtype, requested or resolved by `"auto"`), `model`, `ref_model` (weights passed in)."""
+    args = setup.args
+    sources = []
+    if args.fp16:
+        sources.append(("flag", "`fp16=True`"))
+    if launcher_precision(args) == "fp16":
+        how = "`accelerate launch --mixed_precision fp16`, its config file or `ACCELERATE_MIXED_PRECISION`"
+        sources.append(("launcher", f"accelerate's `mixed_precision='fp16'` ({how})"))
+    if ((setup.deepspeed_config or {}).get("fp16") or {}).get("enabled") is True:
+        sources.append(("deepspeed", 'DeepSpeed `"fp16": {"enabled": true}`'))
+    if setup.model_is_path:
+        mik = setup.model_init_kwargs
+        requested, resolved = load_dtype(mik, setup.model_config)
+        if resolved == "float16":
+            key, value = requested_dtype(mik)
+            stored = " loads the checkpoint, stored in float16," if requested == "auto" else ""
+            sources.append(("load", f"`model_init_kwargs[{key!r}]={value!r}`{stored}"))
+    elif "float16" in parameter_dtypes(setup.model):
+        sources.append(("model", "the model passed in has fp16 weights"))
+    if "float16" in parameter_dtypes(setup.ref_model):
+        sources.append(("ref_model", "the `ref_model` passed in has fp16 weights"))
+    return sources
+
+
 class PreferBf16(Rule):
     id = "precision.bf16_over_fp16"
-    summary = "fp16 (flag, load dtype or DeepSpeed section) becomes bf16; fp32 for fp16-overflowing families without bf16."
+    summary = "fp16 (flag, accelerate, DeepSpeed, load dtype, weights passed in) becomes bf16; fp32 for overflowing families without bf16."  # noqa: E501
     rationale = "https://github.com/huggingface/trl/issues/3236"
 
     def check(self, setup) -> Finding | None:
-        args, hw = setup.args, setup.hardware
-        mik = setup.model_init_kwargs
-        load = requested_dtype(mik)
-        fp16_load = load is not None and is_fp16(load[1])
-        ds = setup.deepspeed_config or {}
-        ds_fp16 = (ds.get("fp16") or {}).get("enabled") is True
-        if not (args.fp16 or fp16_load or ds_fp16):
+        sources = fp16_sources(setup)
+        if not sources:
             return None
-
-        asked = []
-        if args.fp16:
-            asked.append("`fp16=True`")
-        if fp16_load:
-            asked.append(f"`model_init_kwargs[{load[0]!r}]={load[1]!r}`")
-        if ds_fp16:
-            asked.append('DeepSpeed `"fp16": {"enabled": true}`')
-        asked_text = " and ".join(asked)
+        args, hw = setup.args, setup.hardware
+        kinds = {kind for kind, _ in sources}
+        asked = " and ".join(text for _, text in sources)
         overflow = sorted(setup.model_types & FP16_OVERFLOW_FAMILIES)
-
+        ds = setup.deepspeed_config or {}
         if hw.bf16_supported:
-            changes = []
-            if args.fp16 or ds_fp16:
-                changes += [Change("args.fp16", args.fp16, False), Change("args.bf16", args.bf16, True)]
-                if hw.accelerator == "cpu" and not args.use_cpu:
-                    # transformers only accepts bf16 on a machine without a GPU when `use_cpu=True`.
-                    changes.append(Change("args.use_cpu", False, True))
-            if fp16_load:
-                changes += dtype_changes(mik, "bfloat16")
-            if ds_fp16:
-                changes += [
-                    Change("args.deepspeed.fp16.enabled", True, False),
-                    Change("args.deepspeed.bf16.enabled", (ds.get("bf16") or {}).get("enabled", REMOVED), True),
-                ]
+            target, amp = "bfloat16", "bf16"
+        elif overflow:
+            target, amp = "float32", "no"
+        else:
+            return self.warned(
+                f"{asked} kept: this device has no bf16. fp16 can overflow; keep `max_grad_norm` set and watch the "
+                "NaN guard's events."
+            )
+        changes = []
+        if kinds & {"flag", "deepspeed", "launcher"}:
+            changes += [Change("args.fp16", args.fp16, False), Change("args.bf16", args.bf16, amp == "bf16")]
+            if "launcher" in kinds:
+                changes.append(Change("args.mixed_precision", "fp16", amp))
+            if amp == "bf16" and hw.accelerator == "cpu" and not args.use_cpu:
+                # transformers only accepts bf16 on a machine without a GPU when `use_cpu=True`.
+                changes.append(Change("args.use_cpu", False, True))
+        if "deepspeed" in kinds:
+            changes.append(Change("args.deepspeed.fp16.enabled", True, False))
+            if amp == "bf16":
+                changes.append(Change("args.deepspeed.bf16.enabled", (ds.get("bf16") or {}).get("enabled", REMOVED), True))
+        if "load" in kinds:
+            changes += dtype_changes(setup.model_init_kwargs, target)
+        for owner in ("model", "ref_model"):
+            if owner in kinds:
+                changes.append(Change(f"{owner}.dtype", "float16", target))
+        if amp == "bf16":
             why = (
                 f"`{overflow[0]}` activations overflow fp16's range (max 65504) and train to NaN"
                 if overflow
                 else "fp16 overflows without loss scaling and pure-fp16 weights break AdamW; bf16 has fp32's range"
             )
-            return self.fixed(f"{asked_text} switched to bf16: {why}.", *changes)
-
-        if overflow:
-            changes = [Change("args.fp16", args.fp16, False), Change("args.bf16", args.bf16, False)]
-            if fp16_load:
-                changes += dtype_changes(mik, "float32")
-            if ds_fp16:
-                changes.append(Change("args.deepspeed.fp16.enabled", True, False))
-            return self.fixed(
-                f"{asked_text} switched to fp32: this device has no bf16 and `{overflow[0]}` activations overflow "
-                "fp16 (NaN loss). Expect fp32 speed and about twice the memory.",
-                *changes,
-            )
-        return self.warned(
-            f"{asked_text} kept: this device has no bf16. fp16 can overflow; keep `max_grad_norm` set and watch the "
-            "NaN guard's events."
+            return self.fixed(f"{asked} switched to bf16: {why}.", *changes)
+        return self.fixed(
+            f"{asked} switched to fp32: this device has no bf16 and `{overflow[0]}` activations overflow fp16 (NaN "
+            "loss). Expect fp32 speed and about twice the memory.",
+            *changes,
         )
 
 

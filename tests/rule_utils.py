@@ -1,0 +1,57 @@
+"""Helpers shared by the pure rule tests: real safe configs, `TrainerSetup`s built in memory, and one engine stage."""
+
+from __future__ import annotations
+
+from safe_trainers import SafetyArguments
+from safe_trainers.apply import apply_to_setup
+from safe_trainers.configs import CONFIG_CLASSES
+from safe_trainers.engine import new_report, run_stage, select_rules
+from safe_trainers.rules import DEFAULT_RULES
+from safe_trainers.setup import Hardware, TrainerSetup, resolve_model_class
+from safe_trainers.toy import model_config
+
+
+OUT = "safe-trainers-unused-output"  # configs are built, never trained: nothing is written here
+CPU = Hardware(accelerator="cpu", bf16_supported=True)
+CUDA_BF16 = Hardware(accelerator="cuda", bf16_supported=True)
+CUDA_NO_BF16 = Hardware(accelerator="cuda", bf16_supported=False)
+
+
+def make_args(kind: str = "dpo", **overrides):
+    """A real safe config of `kind` that is valid on this CPU-only machine."""
+    kwargs = dict(output_dir=OUT, use_cpu=True, report_to="none")
+    if kind == "grpo":
+        kwargs.update(num_generations=2, per_device_train_batch_size=2)
+    kwargs.update(overrides)
+    return CONFIG_CLASSES[kind](**kwargs)
+
+
+def make_setup(kind="dpo", family="llama", *, hardware=CPU, model=None, args=None, config=None, **fields):
+    """A `TrainerSetup` for a model path of `family` (no file needed: the config is built in memory)."""
+    config = config if config is not None else (model_config(family) if family is not None else None)
+    model = model if model is not None else f"toy/{family}"
+    return TrainerSetup(
+        kind=kind,
+        args=args if args is not None else make_args(kind),
+        model=model,
+        model_config=config if isinstance(model, str) else model.config,
+        model_class=resolve_model_class(kind, model, config),
+        hardware=hardware,
+        **fields,
+    )
+
+
+def settings(mode="fix", disable=()):
+    return SafetyArguments(safety_mode=mode, safety_disable_rules=list(disable))
+
+
+def run_setup_stage(setup, mode="fix", disable=(), rules=None):
+    s = settings(mode, disable)
+    enabled, disabled = select_rules(setup.kind, s, rules if rules is not None else DEFAULT_RULES)
+    report = new_report(setup.kind, s, disabled)
+    out = run_stage(setup, enabled, s, report, check=lambda r, t: r.check(t), apply=apply_to_setup)
+    return out, report
+
+
+def change_map(finding):
+    return {c.path: (c.old, c.new) for c in finding.changes}

@@ -1,0 +1,69 @@
+"""Helpers shared by the training tests: build a safe trainer on a tiny saved model, train it, read its report."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from conftest import cpu_args
+
+from safe_trainers import (
+    DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer,
+)  # fmt: skip
+from safe_trainers.toy import dataset_for
+
+
+TRAINERS = {"reward": RewardTrainer, "dpo": DPOTrainer, "kto": KTOTrainer, "grpo": GRPOTrainer}
+CONFIGS = {"reward": RewardConfig, "dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig}
+DEFAULT_MODEL = {"reward": "qwen2-rm", "dpo": "qwen2", "kto": "qwen2", "grpo": "qwen2"}
+
+
+def rank_reward(completions, **kwargs) -> list[float]:
+    """A GRPO reward that always differs inside a group, so every step has non-zero advantages."""
+    return [float(i % 4) for i in range(len(completions))]
+
+
+def config_kwargs(kind: str, tmp_path, **overrides) -> dict:
+    # `learning_rate=1e-5`: the highest full fine-tuning rate `optim.learning_rate` accepts without a warning
+    kwargs = cpu_args(output_dir=str(tmp_path / f"{kind}-out"), learning_rate=1e-5)
+    if kind == "grpo":
+        kwargs.update(num_generations=2, max_completion_length=8)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def build(kind: str, model, tmp_path, *, dataset=None, n=8, config_class=None, **overrides):
+    """A safe trainer of `kind`; `overrides` go to the config, except trainer keywords given as `trainer_*`."""
+    trainer_kwargs = {
+        k.removeprefix("trainer_"): overrides.pop(k) for k in list(overrides) if k.startswith("trainer_")
+    }
+    args = (config_class or CONFIGS[kind])(**config_kwargs(kind, tmp_path, **overrides))
+    if kind == "grpo":
+        trainer_kwargs.setdefault("reward_funcs", rank_reward)
+    data = dataset if dataset is not None else dataset_for(kind, n)
+    return TRAINERS[kind](model=model, args=args, train_dataset=data, **trainer_kwargs)
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def changed(before: dict[str, torch.Tensor], model) -> list[str]:
+    return [name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())]
+
+
+def train_losses(trainer) -> list[float]:
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses, trainer.state.log_history
+    return losses
+
+
+def actions(trainer) -> dict[str, str]:
+    return {f.rule_id: f.action for f in trainer.safety_report.findings}
+
+
+def read_report(trainer) -> dict:
+    with open(os.path.join(trainer.args.output_dir, "safety_report.json")) as f:
+        return json.load(f)
