@@ -1,8 +1,10 @@
-"""Benchmark: the NaN guard's cost when nothing goes wrong, its snapshot cost, and the time to roll back.
+"""Benchmark: the NaN guard's cost when nothing goes wrong, its snapshot cost, the time to roll back, and the memory
+it holds.
 
 Trains the same DPO workload with stock TRL (`trl.DPOTrainer`) and with `safe_trainers.DPOTrainer` (rules + guard
 on), interleaved in one process (stock, safe, stock, safe, ...) so that both see the same machine state, and prints a
-table of ratios. Absolute times are printed for reference only.
+table of ratios, once with the fused AdamW transformers uses by default (the guard skips on the device) and once with
+the non-fused `adamw_torch` (the guard reads its flag on the host each step). Absolute times are for reference only.
 
     python bench/guard_overhead.py                      # CPU: a model whose DPO step takes ~100 ms here
     python bench/guard_overhead.py --hidden 1024 --layers 8 --seq 512 --batch 8   # e.g. on a GPU
@@ -79,7 +81,37 @@ def dataset(n: int, seq: int) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def make_trainer(kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int):
+class GuardMemoryProbe(TrainerCallback):
+    """The largest number of bytes the guard held in host copies of micro-batches, and in device tensors (its
+    per-step flags and loss sums), seen just before each optimizer step."""
+
+    def __init__(self, guard):
+        self.guard = guard
+        self.batch_bytes = 0
+        self.device_bytes = 0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        held = self.guard.batches.nbytes() + sum(_nbytes(b) for b in self.guard.batches._current)
+        self.batch_bytes = max(self.batch_bytes, held)
+        flags = [t for p in self.guard._pending for t in p[1:] if torch.is_tensor(t) and t.device.type != "cpu"]
+        self.device_bytes = max(self.device_bytes, sum(t.numel() * t.element_size() for t in flags))
+
+
+def _nbytes(value) -> int:
+    from safe_trainers.guard.localize import _tensors
+
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def snapshot_bytes(snapshot) -> int:
+    total = sum(t.numel() * t.element_size() for t in snapshot.params.values())
+    total += sum(_nbytes(slot) for slot in snapshot.optimizer_state.values())
+    return total + _nbytes(snapshot.deepspeed_state)
+
+
+def make_trainer(
+    kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int, optim: str
+):
     common = dict(
         output_dir=out,
         max_steps=steps,
@@ -94,6 +126,7 @@ def make_trainer(kind: str, model_dir: str, out: str, data: Dataset, steps: int,
         use_cpu=not torch.cuda.is_available(),
         seed=0,
         precompute_ref_log_probs=False,
+        optim=optim,
     )
     if kind == "stock":
         return trl.DPOTrainer(model_dir, args=trl.DPOConfig(**common), train_dataset=data)
@@ -108,8 +141,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
-    parser.add_argument("--rounds", type=int, default=8, help="interleaved (stock, safe) pairs")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved (stock, safe) pairs")
     parser.add_argument("--snapshot-steps", type=int, default=10, help="`nan_snapshot_steps` of the guarded runs")
+    parser.add_argument("--optims", default="adamw_torch_fused,adamw_torch", help="comma-separated `optim` values")
     ns = parser.parse_args(argv)
     hf_logging.set_verbosity_error()
     import datasets
@@ -119,18 +153,35 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="guard-bench-")
     model_dir = build_model_dir(root, ns.hidden, ns.layers)
     data = dataset(ns.steps * ns.batch, ns.seq)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    for optim in ns.optims.split(","):
+        measure(ns, optim, root, model_dir, data, device)
+    return 0
+
+
+def measure(ns, optim: str, root: str, model_dir: str, data: Dataset, device: str) -> None:
     step_times = {"stock": [], "safe": []}
+    peak_memory = {"stock": [], "safe": []}
     snapshot_times, restore_times = [], []
     round_ratios = []
+    probe = None
     for round_index in range(ns.rounds):
         # Alternate which runs first, and compare within a round: a paired design cancels slow drift of the machine.
         order = ("stock", "safe") if round_index % 2 == 0 else ("safe", "stock")
         medians = {}
         for kind in order:
-            trainer = make_trainer(kind, model_dir, os.path.join(root, f"{kind}{round_index}"), data, ns.steps, ns.batch, ns.snapshot_steps)
+            out = os.path.join(root, f"{optim}-{kind}{round_index}")
+            trainer = make_trainer(kind, model_dir, out, data, ns.steps, ns.batch, ns.snapshot_steps, optim)
             timer = StepTimer()
             trainer.add_callback(timer)
+            if kind == "safe":
+                probe = GuardMemoryProbe(trainer.nan_guard)
+                trainer.add_callback(probe)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             trainer.train()
+            if torch.cuda.is_available():
+                peak_memory[kind].append(torch.cuda.max_memory_allocated())
             step_times[kind] += timer.times[2:]  # the first steps warm up allocators and kernels
             medians[kind] = statistics.median(timer.times[2:])
             if kind == "safe":
@@ -144,10 +195,10 @@ def main(argv=None) -> int:
                     snapshot_times.append(time.perf_counter() - start)
                     _sync()
                     start = time.perf_counter()
-                    guard.snapshotter.restore(trainer.state, trainer.lr_scheduler, trainer.accelerator.scaler)
+                    guard.snapshotter.restore(trainer.state)
                     _sync()
                     restore_times.append(time.perf_counter() - start)
-
+                held_snapshot = snapshot_bytes(guard.snapshotter.snapshot)
         round_ratios.append(medians["safe"] / medians["stock"])
 
     stock = statistics.median(step_times["stock"])
@@ -156,8 +207,8 @@ def main(argv=None) -> int:
     snapshot = statistics.median(snapshot_times)
     restore = statistics.median(restore_times)
     params = sum(p.numel() for p in trainer.model.parameters())
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    print(f"\nDPO, Qwen2-style model with {params / 1e6:.1f}M parameters, batch {ns.batch}, ~{ns.seq} tokens, {device}")
+    print(f"\nDPO, Qwen2-style model with {params / 1e6:.1f}M parameters, batch {ns.batch}, ~{ns.seq} tokens, {device}, "
+          f"optim={optim}")
     print(
         f"{ns.rounds} interleaved rounds x {ns.steps} steps each; step times are medians over "
         f"{len(step_times['safe'])} steps, the ratio is the median of the per-round ratios "
@@ -177,7 +228,16 @@ def main(argv=None) -> int:
         print(f"| {name:<{width}} | {value:>10} | {shown:>21} |")
     print(f"\noverhead with the guard on: {(ratio - 1) * 100:+.2f}% of step time (goal: < 1%); "
           f"rollback = {restore / stock:.2f} steps (goal: < 2)")
-    return 0
+    mib = 1024**2
+    print("\nmemory held by the guard")
+    print(f"  host, snapshot (weights + optimizer state): {held_snapshot / mib:.2f} MiB")
+    print(f"  host, micro-batch copies for diagnosis (peak): {probe.batch_bytes / mib:.3f} MiB")
+    if torch.cuda.is_available():
+        extra = statistics.median(peak_memory["safe"]) - statistics.median(peak_memory["stock"])
+        print(f"  device, flags and loss sums (peak): {probe.device_bytes} bytes; "
+              f"peak device memory, safe - stock: {extra / mib:+.2f} MiB")
+    else:
+        print(f"  device: none beyond {probe.device_bytes} bytes of flags (CPU run: host and device are the same memory)")
 
 
 if __name__ == "__main__":
