@@ -4,11 +4,11 @@ Change one import line, `from trl import DPOTrainer` -> `from safe_trainers impo
 """
 
 from .arguments import SafetyArguments
-from .configs import DPOConfig, GRPOConfig, KTOConfig, RewardConfig
+from .configs import DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
 from .errors import SafetyError, TrainingDivergedError
 from .report import Change, Finding, SafetyReport
 from .rules import DEFAULT_RULES, Rule, rule_ids
-from .trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer
+from .trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
 
 __version__ = "0.1.0"
@@ -23,9 +23,13 @@ __all__ = [
     "GRPOTrainer",
     "KTOConfig",
     "KTOTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "RewardConfig",
     "RewardTrainer",
     "Rule",
+    "SFTConfig",
+    "SFTTrainer",
     "SafetyArguments",
     "SafetyError",
     "SafetyReport",

@@ -8,13 +8,11 @@ import os
 import torch
 from safetensors.torch import load_file
 
-import safe_trainers as st
+from safe_trainers.configs import CONFIG_CLASSES as CONFIGS
 from safe_trainers.faults import Fault, FaultInjector
+from safe_trainers.kinds import get_kind
 from safe_trainers.toy import count_words_reward, dataset_for
-
-
-CONFIGS = {"reward": st.RewardConfig, "dpo": st.DPOConfig, "kto": st.KTOConfig, "grpo": st.GRPOConfig}
-TRAINERS = {"reward": st.RewardTrainer, "dpo": st.DPOTrainer, "kto": st.KTOTrainer, "grpo": st.GRPOTrainer}
+from safe_trainers.trainers import TRAINER_CLASSES as TRAINERS
 
 
 def guarded_trainer(
@@ -43,12 +41,12 @@ def guarded_trainer(
         nan_snapshot_steps=2,
         seed=0,
     )
-    if kind == "grpo":
+    if get_kind(kind).online:
         args.update(num_generations=2, max_completion_length=6)
     args.update(overrides)
     config = CONFIGS[kind](**args)
     data = dataset_for(kind, 2 * config.max_steps * 4)
-    extra = {"reward_funcs": reward_funcs or count_words_reward} if kind == "grpo" else {}
+    extra = {"reward_funcs": reward_funcs or count_words_reward} if get_kind(kind).online else {}
     if peft_config is not None:
         extra["peft_config"] = peft_config
     trainer = (trainer_cls or TRAINERS[kind])(model_dir, args=config, train_dataset=data, **extra)

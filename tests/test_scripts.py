@@ -158,7 +158,7 @@ def test_parse_args_rejects_unknown_flags(tmp_path):
     with pytest.raises(ValueError, match="no_such_flag"):
         parse_args("dpo", ["--output_dir", str(tmp_path), "--no_such_flag", "1"])
     with pytest.raises(ValueError, match="Unknown trainer kind"):
-        parse_args("sft", [])
+        parse_args("ppo", [])
 
 
 def test_model_and_peft_fills_model_init_kwargs(toy_models, tmp_path):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-KINDS = ("reward", "dpo", "kto", "grpo")
+from ..kinds import TRAINER_KINDS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "prints what they would change. Only `config.json` is read from the model: no weight is loaded. Extra "
         "arguments after the options are parsed as config overrides, e.g. `--fp16 true`.",
     )
-    parser.add_argument("--trainer", required=True, choices=KINDS, help="Which trainer the config is for.")
+    parser.add_argument("--trainer", required=True, choices=TRAINER_KINDS, help="Which trainer the config is for.")
     parser.add_argument("--config", required=True, help="A YAML config, as taken by `launch/train_<trainer>.py`.")
     parser.add_argument("--model", default=None, help="Model path or id (overrides `model_name_or_path`).")
     parser.set_defaults(run=run)
