@@ -139,7 +139,7 @@ def test_get_rule_unknown_lists_valid_ids():
         ("reward", {"peft.reward_seq_cls_lora", "data.no_loss_tokens"}, {"grpo.group_size", "dpo.beta_positive"}),
         ("grpo", {"grpo.group_size"}, {"data.no_loss_tokens", "dpo.beta_positive", "kto.batch_and_labels"}),
         ("rloo", {"grpo.group_size"}, {"data.no_loss_tokens", "dpo.beta_positive", "kto.batch_and_labels"}),
-        ("sft", {"optim.grad_clip"}, {"grpo.group_size", "dpo.beta_positive"}),
+        ("sft", {"data.no_loss_tokens", "optim.grad_clip"}, {"grpo.group_size", "dpo.beta_positive"}),
     ],
 )
 def test_select_rules_by_trainer_kind(kind, present, absent):
