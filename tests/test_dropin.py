@@ -8,8 +8,12 @@ models on CPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -469,3 +473,60 @@ def test_grpo_model_instance(toy_models, tmp_path):
     )
     assert trainer.model is model
     assert trainer.safety_report.findings == []
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One import line for the whole pipeline: every public name of `trl`
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _trl_public_objects() -> list[str]:
+    # TRL's `__all__` lists its submodules too (`trl.trainer`, `trl.scripts`, ...): `from trl import *` brings objects
+    return [name for name in trl.__all__ if importlib.util.find_spec(f"trl.{name}") is None]
+
+
+def test_every_public_trl_name_is_trl_object_except_the_safe_classes():
+    safe = {row.trainer_name for row in KIND_ROWS.values()} | {row.config_name for row in KIND_ROWS.values()}
+    names = _trl_public_objects()
+    assert {"ScriptArguments", "ModelConfig", "TrlParser", "DatasetMixtureConfig", "get_dataset"} <= set(names)
+    for name in names:
+        ours, theirs = getattr(safe_trainers, name), getattr(trl, name)
+        if name in safe:
+            assert ours is not theirs and issubclass(ours, theirs), name
+        else:
+            assert ours is theirs, name
+    assert set(names) <= set(safe_trainers.__all__) and set(names) <= set(dir(safe_trainers))
+    assert safe <= set(names)  # the six safe trainers and configs replace names TRL exports
+
+
+def test_trl_experimental_and_submodules_are_not_shadowed():
+    with pytest.raises(AttributeError, match="has no attribute 'experimental'"):
+        safe_trainers.experimental  # noqa: B018
+    with pytest.raises(ImportError):
+        exec("from safe_trainers import experimental", {})
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        safe_trainers.no_such_name  # noqa: B018
+    assert "trainer" not in safe_trainers.__all__ and "experimental" not in safe_trainers.__all__
+
+
+IMPORT_PROBE = """
+import json, sys
+import safe_trainers
+after_import = sorted(m for m in sys.modules if m.startswith("trl"))
+from safe_trainers import TrlParser, get_peft_config
+after_names = sorted(m for m in sys.modules if m.startswith("trl"))
+namespace = {}
+exec("from safe_trainers import *", namespace)
+print(json.dumps({"import": after_import, "names": after_names, "star": sorted(k for k in namespace if k[0] != "_")}))
+"""
+
+
+def test_import_stays_lazy_and_star_import_is_the_pipeline(tmp_path):
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # TRL's scripts module and the trainers safe_trainers does not wrap are imported only when asked for
+    assert "trl.scripts" not in result["import"] and "trl.trainer.distillation_trainer" not in result["import"]
+    assert "trl.scripts" in result["names"] and "trl.trainer.distillation_trainer" not in result["names"]
+    assert set(result["star"]) == set(safe_trainers.__all__)
+    assert "experimental" not in result["star"]
