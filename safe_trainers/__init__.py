@@ -22,7 +22,7 @@ from .trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, RLOOTr
 
 __version__ = "0.1.0"
 
-_OWN_NAMES = [
+__all__ = [
     "DEFAULT_RULES",
     "Change",
     "DPOConfig",
@@ -52,10 +52,9 @@ _OWN_NAMES = [
 TRL_NAMES: tuple[str, ...] = tuple(
     name
     for name in _trl.__all__
-    if name not in _OWN_NAMES and _importlib_util.find_spec(f"{_trl.__name__}.{name}") is None
+    if name not in __all__ and _importlib_util.find_spec(f"{_trl.__name__}.{name}") is None
 )
-
-__all__ = _OWN_NAMES + list(TRL_NAMES)
+__all__ += TRL_NAMES
 
 
 def __getattr__(name: str) -> _Any:

@@ -207,7 +207,10 @@ def test_assistant_only_loss_truncated_turns_counted(toy_models, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(toy_models["qwen2"])
     tokenizer.chat_template = ASSISTANT_TEMPLATE
     rows = [
-        [{"role": "user", "content": LONG_PROMPT if i < 2 else "what is good"}, {"role": "assistant", "content": "yes"}]
+        [
+            {"role": "user", "content": LONG_PROMPT if i < 2 else "what is good"},
+            {"role": "assistant", "content": "yes"},
+        ]
         for i in range(6)
     ]
     args = SFTConfig(**cpu_args(output_dir=str(tmp_path / "out"), assistant_only_loss=True, max_length=16))

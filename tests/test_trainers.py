@@ -26,10 +26,6 @@ from safe_trainers import (
     DPOTrainer,
     GRPOConfig,
     GRPOTrainer,
-    KTOConfig,
-    KTOTrainer,
-    RewardConfig,
-    RewardTrainer,
     SafetyError,
 )
 from safe_trainers.configs import CONFIG_CLASSES as CONFIGS

@@ -96,7 +96,9 @@ def _conversational(rows: Dataset) -> Dataset:
 
 
 SFT_DATASETS = {
-    "language_modeling": lambda: Dataset.from_list([{"text": r["prompt"] + r["completion"]} for r in dataset_for("sft", 8)]),
+    "language_modeling": lambda: Dataset.from_list(
+        [{"text": r["prompt"] + r["completion"]} for r in dataset_for("sft", 8)]
+    ),
     "conversational_language_modeling": lambda: _conversational(dataset_for("sft", 8)),
     "prompt_completion": lambda: dataset_for("sft", 8),
 }
@@ -106,7 +108,9 @@ SFT_DATASETS = {
 @pytest.mark.parametrize("data", list(SFT_DATASETS))
 def test_sft_trains_every_format(data, impl, toy_models, tmp_path):
     trainer_class, _ = classes("sft", impl)
-    trainer = trainer_class(toy_models["qwen2"], args=config("sft", impl, tmp_path), train_dataset=SFT_DATASETS[data]())
+    trainer = trainer_class(
+        toy_models["qwen2"], args=config("sft", impl, tmp_path), train_dataset=SFT_DATASETS[data]()
+    )
     assert_every_parameter_moved(trainer)
 
 
@@ -128,7 +132,9 @@ def test_sft_completion_only_labels(completion_only_loss, impl, toy_models, tmp_
 def test_sft_packing_and_truncation(impl, toy_models, tmp_path):
     trainer_class, _ = classes("sft", impl)
     packed = trainer_class(
-        toy_models["qwen2"], args=config("sft", impl, tmp_path, packing=True, max_length=32), train_dataset=dataset_for("sft", 8)
+        toy_models["qwen2"],
+        args=config("sft", impl, tmp_path, packing=True, max_length=32),
+        train_dataset=dataset_for("sft", 8),
     )
     assert len(packed.train_dataset) < 8 and "seq_lengths" in packed.train_dataset.column_names
     assert all(len(ids) <= 32 for ids in packed.train_dataset["input_ids"])

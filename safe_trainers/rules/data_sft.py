@@ -57,6 +57,4 @@ def cause(args: Any) -> str:
     return f"{labels}, or the sequence is a single token, e.g. an empty text plus EOS"
 
 
-EFFECT = (
-    "TRL clamps the token count to 1, so a batch of them trains on nothing and logs a loss of 0.0 (trl#6668)"
-)
+EFFECT = "TRL clamps the token count to 1, so a batch of them trains on nothing and logs a loss of 0.0 (trl#6668)"
