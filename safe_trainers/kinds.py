@@ -38,8 +38,6 @@ class TrainerKind:
             `"prompt"`); selects the toy dataset.
         online (`bool`, *optional*, defaults to `False`):
             Whether the trainer generates its own completions and scores them with `reward_funcs` (GRPO, RLOO).
-        example_dataset (`str`, *optional*, defaults to `""`):
-            A Hub dataset in the trainer's format, used in the launch scripts' examples.
     """
 
     id: str
@@ -48,7 +46,6 @@ class TrainerKind:
     model_task: ModelTask
     data_format: DataFormat
     online: bool = False
-    example_dataset: str = ""
 
     @property
     def trainer_name(self) -> str:
@@ -83,14 +80,12 @@ class TrainerKind:
 KINDS: dict[str, TrainerKind] = {
     kind.id: kind
     for kind in (
-        TrainerKind("sft", "SFT", "SFT", "causal_lm", "prompt_completion", example_dataset="trl-lib/Capybara"),
-        TrainerKind(
-            "reward", "Reward", "Reward", "seq_cls", "preference", example_dataset="trl-lib/ultrafeedback_binarized"
-        ),
-        TrainerKind("dpo", "DPO", "DPO", "causal_lm", "preference", example_dataset="trl-lib/ultrafeedback_binarized"),
-        TrainerKind("kto", "KTO", "KTO", "causal_lm", "unpaired", example_dataset="trl-lib/kto-mix-14k"),
-        TrainerKind("grpo", "GRPO", "GRPO", "causal_lm", "prompt", online=True, example_dataset="trl-lib/tldr"),
-        TrainerKind("rloo", "RLOO", "RLOO", "causal_lm", "prompt", online=True, example_dataset="trl-lib/tldr"),
+        TrainerKind("sft", "SFT", "SFT", "causal_lm", "prompt_completion"),
+        TrainerKind("reward", "Reward", "Reward", "seq_cls", "preference"),
+        TrainerKind("dpo", "DPO", "DPO", "causal_lm", "preference"),
+        TrainerKind("kto", "KTO", "KTO", "causal_lm", "unpaired"),
+        TrainerKind("grpo", "GRPO", "GRPO", "causal_lm", "prompt", online=True),
+        TrainerKind("rloo", "RLOO", "RLOO", "causal_lm", "prompt", online=True),
     )
 }
 TRAINER_KINDS: tuple[str, ...] = tuple(KINDS)

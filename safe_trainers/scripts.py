@@ -43,15 +43,15 @@ class ScriptArguments(trl.ScriptArguments):
 
     Args:
         reward_funcs (`list[str]`, *optional*, defaults to `["count_words"]`):
-            GRPO and RLOO reward functions: built-in names (`count_words`, `length`, `format`, see `safe_trainers.rewards`),
-            `module:function` paths to your own functions, or local reward-model directories.
+            GRPO and RLOO reward functions: built-in names (`count_words`, `length`, `format`, see
+            `safe_trainers.rewards`), `module:function` paths to your own functions, or local reward-model directories.
     """
 
     reward_funcs: list[str] = field(
         default_factory=lambda: ["count_words"],
         metadata={
-            "help": f"GRPO and RLOO reward functions: built-in names ({', '.join(BUILTIN_REWARDS)}), `module:function` paths "
-            "to your own functions, or local reward-model directories."
+            "help": f"GRPO and RLOO reward functions: built-in names ({', '.join(BUILTIN_REWARDS)}), "
+            "`module:function` paths to your own functions, or local reward-model directories."
         },
     )
 

@@ -3,8 +3,9 @@
 TRL's SFT preparation builds a `labels` column (`-100` where `completion_only_loss` or `assistant_only_loss` masks a
 token), truncates to `max_length` and drops the examples left with no label. It keeps an example whose only label is
 its first token, which the causal loss never scores (token `i` is predicted from the tokens before it), and drops
-nothing when `max_length=None` or with `packing`. Such examples reach the loss with zero tokens, and TRL clamps the count
-to 1: a batch of them trains on nothing and logs a loss of 0.0 ([trl#6668](https://github.com/huggingface/trl/issues/6668)).
+nothing when `max_length=None` or with `packing`. Such examples reach the loss with zero tokens, and TRL clamps the
+count to 1: a batch of them trains on nothing and logs a loss of 0.0
+([trl#6668](https://github.com/huggingface/trl/issues/6668)).
 """
 
 from __future__ import annotations
