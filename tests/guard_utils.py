@@ -76,3 +76,16 @@ def checkpoint_steps(output_dir: str) -> list[int]:
 
 def weights_finite(trainer) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+
+
+def bad_reward_at_step(step: int, value, first_only: bool):
+    """A GRPO/RLOO reward function that returns `value` at optimizer step `step` (for every completion, or the first
+    only), and a finite reward otherwise."""
+
+    def reward(completions, trainer_state=None, **kwargs):
+        rewards = [float(len(c)) / 10 for c in completions]
+        if trainer_state.global_step + 1 == step:
+            rewards = [value] + rewards[1:] if first_only else [value] * len(completions)
+        return rewards
+
+    return reward

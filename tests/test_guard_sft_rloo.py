@@ -11,7 +11,13 @@ import os
 
 import pytest
 import torch
-from guard_utils import checkpoint_steps, guarded_trainer, nonfinite_in_checkpoints, weights_finite
+from guard_utils import (
+    bad_reward_at_step,
+    checkpoint_steps,
+    guarded_trainer,
+    nonfinite_in_checkpoints,
+    weights_finite,
+)
 
 import safe_trainers as st
 from safe_trainers.faults import Fault
@@ -73,18 +79,6 @@ def test_persistent_fault_aborts_with_last_good_checkpoint(kind, toy_models, tmp
     kinds = [e["kind"] for e in read_events(str(tmp_path))]
     assert kinds.count("rollback") == 2 and kinds[-1] == "abort"
     assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
-
-
-def bad_reward_at_step(step, value, first_only):
-    """A reward function that returns `value` at optimizer step `step` (for every completion, or the first only)."""
-
-    def reward(completions, trainer_state=None, **kwargs):
-        rewards = [float(len(c)) / 10 for c in completions]
-        if trainer_state.global_step + 1 == step:
-            rewards = [value] + rewards[1:] if first_only else [value] * len(completions)
-        return rewards
-
-    return reward
 
 
 @pytest.mark.parametrize(
