@@ -12,32 +12,14 @@ import trl
 
 from .arguments import SafetyArguments, validate_safety_arguments
 from .errors import SafetyError
+from .kinds import KINDS
 from .report import Finding
 from .rules.grpo import GroupSize, group_size_problems
 
 
-@dataclass
-class RewardConfig(SafetyArguments, trl.RewardConfig):
-    """[`~trl.RewardConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
-
-
-@dataclass
-class DPOConfig(SafetyArguments, trl.DPOConfig):
-    """[`~trl.DPOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
-
-
-@dataclass
-class KTOConfig(SafetyArguments, trl.KTOConfig):
-    """[`~trl.KTOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
-
-
-@dataclass
-class GRPOConfig(SafetyArguments, trl.GRPOConfig):
-    """[`~trl.GRPOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`).
-
-    The `grpo.group_size` rule runs here too, before TRL's own checks, so an invalid group gets one error that names
-    every bad setting and its fix.
-    """
+class GroupChecks:
+    """Runs the `grpo.group_size` rule in the config of a trainer that samples groups of completions (GRPO, RLOO),
+    before TRL's own checks, so an invalid group gets one error that names every bad setting and its fix."""
 
     def __post_init__(self):
         validate_safety_arguments(self)
@@ -57,4 +39,41 @@ class GRPOConfig(SafetyArguments, trl.GRPOConfig):
             raise
 
 
-CONFIG_CLASSES: dict[str, type] = {"reward": RewardConfig, "dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig}
+@dataclass
+class SFTConfig(SafetyArguments, trl.SFTConfig):
+    """[`~trl.SFTConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
+
+
+@dataclass
+class RewardConfig(SafetyArguments, trl.RewardConfig):
+    """[`~trl.RewardConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
+
+
+@dataclass
+class DPOConfig(SafetyArguments, trl.DPOConfig):
+    """[`~trl.DPOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
+
+
+@dataclass
+class KTOConfig(SafetyArguments, trl.KTOConfig):
+    """[`~trl.KTOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
+
+
+@dataclass
+class GRPOConfig(GroupChecks, SafetyArguments, trl.GRPOConfig):
+    """[`~trl.GRPOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`).
+
+    The `grpo.group_size` rule runs here too (see [`GroupChecks`]).
+    """
+
+
+@dataclass
+class RLOOConfig(GroupChecks, SafetyArguments, trl.RLOOConfig):
+    """[`~trl.RLOOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`).
+
+    The `grpo.group_size` rule runs here too (see [`GroupChecks`]).
+    """
+
+
+# Every kind of the table has its config class here (a missing one fails at import, not at first use).
+CONFIG_CLASSES: dict[str, type] = {kind.id: globals()[kind.config_name] for kind in KINDS.values()}

@@ -12,6 +12,7 @@ from .arguments import SafetyArguments
 from .engine import new_report, run_stage, select_rules
 from .guard import NanGuard, NanGuardCallback
 from .guard.trainer_hooks import NanGuardTrainerMixin
+from .kinds import get_kind
 from .report import SafetyReport
 from .rules import BuiltTrainer
 from .setup import TrainerSetup, build_setup
@@ -42,6 +43,14 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("_safety_kind")
+        if kind is not None:
+            # TRL's class and the safe config come from the kind's row of the table, unless the class names its own.
+            row = get_kind(kind)
+            if "_trl_class" not in cls.__dict__:
+                cls._trl_class = row.trl_trainer
+            if "_safety_config_class" not in cls.__dict__:
+                cls._safety_config_class = row.config
         trl_class = cls.__dict__.get("_trl_class")
         if trl_class is not None and "__init__" not in cls.__dict__:
             # Give each trainer TRL's own signature and docstring (IDEs, `inspect.signature`, docs).
@@ -92,7 +101,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
                 from trl.trainer.utils import get_config_model_id
 
                 name = get_config_model_id(model.config)
-            suffix = {"reward": "Reward"}.get(self._safety_kind, self._safety_kind.upper())
+            suffix = get_kind(self._safety_kind).run_suffix
             args = self._safety_config_class(f"{name.split('/')[-1]}-{suffix}")
         return build_setup(
             self._safety_kind,

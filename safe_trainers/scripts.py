@@ -1,4 +1,4 @@
-"""Shared logic of the launch scripts (`launch/train_{reward,dpo,kto,grpo}.py`) and of `safe-trainers check`.
+"""Shared logic of the launch scripts (`launch/train_<kind>.py`) and of `safe-trainers check`.
 
 A script is `main(kind)`: parse a YAML `--config` plus command-line overrides with TRL's parser into
 `(ScriptArguments, <safe config>, ModelConfig)`, load the model path, PEFT config and training dataset, build the
@@ -22,7 +22,7 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from . import toy
-from .configs import CONFIG_CLASSES
+from .kinds import TrainerKind, get_kind
 from .rewards import BUILTIN_REWARDS, load_reward_funcs
 
 
@@ -39,26 +39,21 @@ DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 @dataclass
 class ScriptArguments(trl.ScriptArguments):
     """
-    [`~trl.ScriptArguments`] plus the arguments the GRPO script needs.
+    [`~trl.ScriptArguments`] plus the arguments the GRPO and RLOO scripts need.
 
     Args:
         reward_funcs (`list[str]`, *optional*, defaults to `["count_words"]`):
-            GRPO reward functions: built-in names (`count_words`, `length`, `format`, see `safe_trainers.rewards`),
-            `module:function` paths to your own functions, or local reward-model directories.
+            GRPO and RLOO reward functions: built-in names (`count_words`, `length`, `format`, see
+            `safe_trainers.rewards`), `module:function` paths to your own functions, or local reward-model directories.
     """
 
     reward_funcs: list[str] = field(
         default_factory=lambda: ["count_words"],
         metadata={
-            "help": f"GRPO reward functions: built-in names ({', '.join(BUILTIN_REWARDS)}), `module:function` paths "
-            "to your own functions, or local reward-model directories."
+            "help": f"GRPO and RLOO reward functions: built-in names ({', '.join(BUILTIN_REWARDS)}), "
+            "`module:function` paths to your own functions, or local reward-model directories."
         },
     )
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in CONFIG_CLASSES:
-        raise ValueError(f"Unknown trainer kind {kind!r}; choose one of {', '.join(CONFIG_CLASSES)}.")
 
 
 def has_accelerator() -> bool:
@@ -78,8 +73,7 @@ def has_accelerator() -> bool:
 def make_parser(kind: str) -> TrlParser:
     """TRL's parser over `(ScriptArguments, <safe config of kind>, ModelConfig)`. Without an accelerator, `use_cpu`
     defaults to `True` (a `--config` file or the command line can still set it)."""
-    _check_kind(kind)
-    parser = TrlParser((ScriptArguments, CONFIG_CLASSES[kind], ModelConfig), prog=f"train_{kind}")
+    parser = TrlParser((ScriptArguments, get_kind(kind).config, ModelConfig), prog=f"train_{kind}")
     if not has_accelerator():
         # transformers refuses bf16 (the TRL default) without a GPU unless `use_cpu=True`.
         parser.set_defaults(use_cpu=True)
@@ -93,7 +87,8 @@ def parse_args(
 
     Args:
         kind (`str`):
-            `"reward"`, `"dpo"`, `"kto"` or `"grpo"`: selects the safe config class.
+            The trainer kind (`"sft"`, `"reward"`, `"dpo"`, `"kto"`, `"grpo"` or `"rloo"`): selects the safe config
+            class.
         argv (`list[str]`, *optional*):
             The arguments. Launcher-added flags such as `--local_rank=0` are config fields and parse normally.
         announce_cpu (`bool`, *optional*, defaults to `True`):
@@ -122,7 +117,7 @@ def model_and_peft(kind: str, model_args: ModelConfig, training_args: Any) -> tu
     Raises:
         ValueError: when `model_args.model_name_or_path` is not set.
     """
-    _check_kind(kind)
+    get_kind(kind)
     if not model_args.model_name_or_path:
         raise ValueError(
             "`model_name_or_path` is not set. Pass `--model_name_or_path <hub id or local path>` (or set it in the "
@@ -143,7 +138,7 @@ def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
     """One split of the dataset named by `script_args.dataset_name`: a hub id (`datasets.load_dataset`), a local JSON,
     JSONL or Parquet file (its rows form split `split`), a `save_to_disk` folder, or any folder `load_dataset` reads.
     With no `dataset_name`, the deterministic toy dataset for `kind`."""
-    _check_kind(kind)
+    get_kind(kind)
     name = script_args.dataset_name
     if not name:
         return toy.dataset_for(kind)
@@ -200,7 +195,7 @@ def use_toy_defaults(kind: str, script_args: ScriptArguments, model_args: ModelC
     from accelerate import PartialState
 
     path = os.path.join(training_args.output_dir, TOY_MODEL_DIRNAME)
-    task = "seq_cls" if kind == "reward" else "causal_lm"
+    task = get_kind(kind).model_task
     with PartialState().local_main_process_first():
         if PartialState().is_local_main_process:
             with _zero3_init_disabled():
@@ -244,9 +239,9 @@ def _share_process_group_with_deepspeed(training_args: Any) -> None:
 
 def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, model_args: ModelConfig) -> Trainer:
     """The `safe_trainers` trainer of `kind` for parsed arguments (toy defaults, model, PEFT, data, rewards)."""
-    import safe_trainers
     from trl import get_quantization_config
 
+    row: TrainerKind = get_kind(kind)
     _share_process_group_with_deepspeed(training_args)
     use_toy_defaults(kind, script_args, model_args, training_args)
     model, training_args, peft_config = model_and_peft(kind, model_args, training_args)
@@ -259,15 +254,9 @@ def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, m
     )
     if training_args.eval_strategy != "no":
         kwargs["eval_dataset"] = load_split(kind, script_args, script_args.dataset_test_split)
-    if kind == "grpo":
+    if row.online:
         kwargs["reward_funcs"] = load_reward_funcs(script_args.reward_funcs)
-    trainer_class = {
-        "reward": safe_trainers.RewardTrainer,
-        "dpo": safe_trainers.DPOTrainer,
-        "kto": safe_trainers.KTOTrainer,
-        "grpo": safe_trainers.GRPOTrainer,
-    }[kind]
-    return trainer_class(**kwargs)
+    return row.trainer(**kwargs)
 
 
 def main(kind: str, argv: list[str] | None = None) -> Trainer:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from .hardware import Hardware
 
+from .kinds import TRAINER_KINDS, get_kind  # noqa: F401 (`TRAINER_KINDS` re-exported)
 
-TrainerKind = Literal["reward", "dpo", "kto", "grpo"]
-TRAINER_KINDS: tuple[str, ...] = ("reward", "dpo", "kto", "grpo")
+
 # Trainers whose construction-time rules read the tokenizer (pad token of reward models; vocabulary of online RL).
 TOKENIZER_KINDS = frozenset({"reward", "grpo", "rloo"})
 
@@ -28,7 +28,7 @@ class TrainerSetup:
 
     Args:
         kind (`str`):
-            `"reward"`, `"dpo"`, `"kto"` or `"grpo"`.
+            The trainer kind, a key of [`~safe_trainers.kinds.KINDS`] (`"sft"`, `"reward"`, `"dpo"`, ...).
         args (`TrainingArguments`):
             The trainer config (never `None`: a default is built as TRL would).
         model (`str | PreTrainedModel`):
@@ -128,7 +128,8 @@ def resolve_model_class(kind: str, model: Any, model_config: Any) -> type | None
         return None
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    auto = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
+    seq_cls = get_kind(kind).model_task == "seq_cls"
+    auto = AutoModelForSequenceClassification if seq_cls else AutoModelForCausalLM
     try:
         return auto._model_mapping[type(model_config)]
     except (KeyError, ValueError):

@@ -13,6 +13,8 @@ from typing import Literal
 
 from datasets import Dataset
 
+from .kinds import get_kind
+
 
 Family = Literal["qwen2", "llama", "gemma2", "gemma3"]
 FAMILIES: tuple[str, ...] = ("qwen2", "llama", "gemma2", "gemma3")
@@ -105,6 +107,14 @@ def _sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def prompt_completion_dataset(n: int = 32, seed: int = 0) -> Dataset:
+    """Prompt-completion data (`prompt`, `completion`) for SFT (TRL trains on the completion tokens only)."""
+    rng = random.Random(seed)
+    return Dataset.from_list(
+        [{"prompt": _sentence(rng, 4), "completion": " yes good " + _sentence(rng, 3)} for _ in range(n)]
+    )
+
+
 def preference_dataset(n: int = 32, seed: int = 0) -> Dataset:
     """Standard-format preference data (`prompt`, `chosen`, `rejected`) for reward modelling and DPO."""
     rng = random.Random(seed)
@@ -127,20 +137,22 @@ def unpaired_dataset(n: int = 32, seed: int = 0) -> Dataset:
 
 
 def prompt_dataset(n: int = 16, seed: int = 0) -> Dataset:
-    """Prompt-only data (`prompt`) for GRPO."""
+    """Prompt-only data (`prompt`) for GRPO and RLOO."""
     rng = random.Random(seed)
     return Dataset.from_list([{"prompt": _sentence(rng, 4)} for _ in range(n)])
 
 
+DATASET_BUILDERS = {
+    "prompt_completion": prompt_completion_dataset,
+    "preference": preference_dataset,
+    "unpaired": unpaired_dataset,
+    "prompt": prompt_dataset,
+}
+
+
 def dataset_for(kind: str, n: int = 32, seed: int = 0) -> Dataset:
-    """The toy dataset in the format trainer `kind` expects."""
-    if kind in ("reward", "dpo"):
-        return preference_dataset(n, seed)
-    if kind == "kto":
-        return unpaired_dataset(n, seed)
-    if kind == "grpo":
-        return prompt_dataset(n, seed)
-    raise ValueError(f"Unknown trainer kind {kind!r}; choose one of reward, dpo, kto, grpo.")
+    """The toy dataset in the format trainer `kind` expects (its `data_format` in [`~safe_trainers.kinds.KINDS`])."""
+    return DATASET_BUILDERS[get_kind(kind).data_format](n, seed)
 
 
 def count_words_reward(completions, **kwargs) -> list[float]:

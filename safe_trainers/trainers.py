@@ -1,12 +1,32 @@
-"""The four safe trainers: TRL's trainers with the safety rules and the NaN guard. Drop-in replacements."""
+"""The safe trainers: TRL's trainers with the safety rules and the NaN guard. Drop-in replacements.
+
+Each class names its kind (a row of [`~safe_trainers.kinds.KINDS`]); the mixin takes TRL's class, the safe config
+class and TRL's constructor signature from there.
+"""
 
 from __future__ import annotations
 
 import trl
 
-from .configs import DPOConfig, GRPOConfig, KTOConfig, RewardConfig
 from .generation import OnlineGenerationMixin
+from .kinds import KINDS
 from .mixin import SafeTrainerMixin
+
+
+class SFTTrainer(SafeTrainerMixin, trl.SFTTrainer):
+    """[`~trl.SFTTrainer`] with construction-time safety rules and the NaN guard; same arguments.
+
+    Example:
+
+    ```python
+    from safe_trainers import SFTConfig, SFTTrainer
+
+    trainer = SFTTrainer(model="path/to/model", args=SFTConfig(output_dir="out"), train_dataset=dataset)
+    trainer.safety_report.by_rule("data.no_loss_tokens")  # examples left with no trained token, dropped
+    ```
+    """
+
+    _safety_kind = "sft"
 
 
 class RewardTrainer(SafeTrainerMixin, trl.RewardTrainer):
@@ -23,8 +43,6 @@ class RewardTrainer(SafeTrainerMixin, trl.RewardTrainer):
     """
 
     _safety_kind = "reward"
-    _safety_config_class = RewardConfig
-    _trl_class = trl.RewardTrainer
 
 
 class DPOTrainer(SafeTrainerMixin, trl.DPOTrainer):
@@ -41,21 +59,29 @@ class DPOTrainer(SafeTrainerMixin, trl.DPOTrainer):
     """
 
     _safety_kind = "dpo"
-    _safety_config_class = DPOConfig
-    _trl_class = trl.DPOTrainer
 
 
 class KTOTrainer(SafeTrainerMixin, trl.KTOTrainer):
     """[`~trl.KTOTrainer`] with construction-time safety rules and the NaN guard; same arguments."""
 
     _safety_kind = "kto"
-    _safety_config_class = KTOConfig
-    _trl_class = trl.KTOTrainer
 
 
 class GRPOTrainer(SafeTrainerMixin, OnlineGenerationMixin, trl.GRPOTrainer):
     """[`~trl.GRPOTrainer`] with construction-time safety rules and the NaN guard; same arguments."""
 
     _safety_kind = "grpo"
-    _safety_config_class = GRPOConfig
-    _trl_class = trl.GRPOTrainer
+
+
+class RLOOTrainer(SafeTrainerMixin, OnlineGenerationMixin, trl.RLOOTrainer):
+    """[`~trl.RLOOTrainer`] with construction-time safety rules and the NaN guard; same arguments.
+
+    It shares GRPO's generation code: the same group rule (`grpo.group_size`), the same reward events, and the guard
+    discards the buffered rollouts after a rollback.
+    """
+
+    _safety_kind = "rloo"
+
+
+# Every kind of the table has its trainer class here (a missing one fails at import, not at first use).
+TRAINER_CLASSES: dict[str, type] = {kind.id: globals()[kind.trainer_name] for kind in KINDS.values()}

@@ -8,12 +8,11 @@ import os
 import torch
 from safetensors.torch import load_file
 
-import safe_trainers as st
+from safe_trainers.configs import CONFIG_CLASSES as CONFIGS
 from safe_trainers.faults import Fault, FaultInjector
+from safe_trainers.kinds import get_kind
 from safe_trainers.toy import count_words_reward, dataset_for
-
-CONFIGS = {"reward": st.RewardConfig, "dpo": st.DPOConfig, "kto": st.KTOConfig, "grpo": st.GRPOConfig}
-TRAINERS = {"reward": st.RewardTrainer, "dpo": st.DPOTrainer, "kto": st.KTOTrainer, "grpo": st.GRPOTrainer}
+from safe_trainers.trainers import TRAINER_CLASSES as TRAINERS
 
 
 def guarded_trainer(
@@ -43,12 +42,12 @@ def guarded_trainer(
         nan_snapshot_steps=2,
         seed=0,
     )
-    if kind == "grpo":
+    if get_kind(kind).online:
         args.update(num_generations=2, max_completion_length=6)
     args.update(overrides)
     config = CONFIGS[kind](**args)
     data = dataset_for(kind, 2 * config.max_steps * 4)
-    extra = {"reward_funcs": reward_funcs or count_words_reward} if kind == "grpo" else {}
+    extra = {"reward_funcs": reward_funcs or count_words_reward} if get_kind(kind).online else {}
     if peft_config is not None:
         extra["peft_config"] = peft_config
     if eval_rows:
@@ -80,6 +79,19 @@ def checkpoint_steps(output_dir: str) -> list[int]:
 
 def weights_finite(trainer) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+
+
+def bad_reward_at_step(step: int, value, first_only: bool):
+    """A GRPO/RLOO reward function that returns `value` at optimizer step `step` (for every completion, or the first
+    only), and a finite reward otherwise."""
+
+    def reward(completions, trainer_state=None, **kwargs):
+        rewards = [float(len(c)) / 10 for c in completions]
+        if trainer_state.global_step + 1 == step:
+            rewards = [value] + rewards[1:] if first_only else [value] * len(completions)
+        return rewards
+
+    return reward
 
 
 def _digest(value, h) -> None:

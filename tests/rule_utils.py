@@ -6,10 +6,10 @@ from safe_trainers import SafetyArguments
 from safe_trainers.apply import apply_to_setup
 from safe_trainers.configs import CONFIG_CLASSES
 from safe_trainers.engine import new_report, run_stage, select_rules
+from safe_trainers.kinds import get_kind
 from safe_trainers.rules import DEFAULT_RULES
 from safe_trainers.setup import Hardware, TrainerSetup, resolve_model_class
 from safe_trainers.toy import model_config
-
 
 OUT = "safe-trainers-unused-output"  # configs are built, never trained: nothing is written here
 CPU = Hardware(accelerator="cpu", bf16_supported=True)
@@ -20,7 +20,7 @@ CUDA_NO_BF16 = Hardware(accelerator="cuda", bf16_supported=False)
 def make_args(kind: str = "dpo", **overrides):
     """A real safe config of `kind` that is valid on this CPU-only machine."""
     kwargs = dict(output_dir=OUT, use_cpu=True, report_to="none")
-    if kind == "grpo":
+    if get_kind(kind).online:
         kwargs.update(num_generations=2, per_device_train_batch_size=2)
     kwargs.update(overrides)
     return CONFIG_CLASSES[kind](**kwargs)

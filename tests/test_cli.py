@@ -136,3 +136,20 @@ def test_demo_runs_and_recovers(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[fixed] precision.bf16_over_fp16" in done.stderr + done.stdout
     assert "rollback" in done.stdout and "final weights finite: True" in done.stdout
+
+
+def test_check_sft_fp16_on_gemma2(toy_models, tmp_path, capsys):
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\nfp16: true\nmax_length: 512\n")
+    assert main(["check", "--trainer", "sft", "--config", config, "--model", toy_models["gemma2"]]) == 1
+    out = capsys.readouterr().out
+    assert "safe_trainers (sft, safety_mode='fix')" in out and "[fixed] precision.bf16_over_fp16" in out
+
+
+def test_check_rloo_groups(toy_models, tmp_path, capsys):
+    base = f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\nlogging_nan_inf_filter: false\n"
+    good = write(tmp_path, base + "num_generations: 2\nper_device_train_batch_size: 2\n")
+    assert main(["check", "--trainer", "rloo", "--config", good, "--model", toy_models["qwen2"]]) == 0
+    assert "all safety rules passed" in capsys.readouterr().out
+    bad = write(tmp_path, base + "num_generations: 1\n")  # refused by `RLOOConfig` itself: the config is invalid
+    assert main(["check", "--trainer", "rloo", "--config", bad, "--model", toy_models["qwen2"]]) == 2
+    assert "[grpo.group_size] `num_generations=1`" in capsys.readouterr().err

@@ -30,12 +30,14 @@ TRAINERS = sorted((CONFIGS / "trainers").glob("*.yaml"))
 
 # config file -> (trainer kind, toy model fixture key used in place of the hub model)
 TRAINER_CONFIGS = {
+    "sft": ("sft", "qwen2"),
     "reward": ("reward", "qwen2-rm"),
     "reward_lora": ("reward", "qwen2-rm"),
     "dpo": ("dpo", "qwen2"),
     "dpo_gemma2": ("dpo", "gemma2"),
     "kto": ("kto", "qwen2"),
     "grpo": ("grpo", "qwen2"),
+    "rloo": ("rloo", "qwen2"),
 }
 
 
@@ -157,7 +159,7 @@ def test_trainer_config_parses_and_passes_the_rules(name, toy_models, tmp_path):
     assert args.learning_rate == raw["learning_rate"]
     assert model_args.dtype == raw["dtype"]
     assert model_args.use_peft is raw.get("use_peft", False)
-    if kind == "grpo":
+    if kind in ("grpo", "rloo"):
         assert script_args.reward_funcs == raw["reward_funcs"]
         assert args.num_generations == raw["num_generations"]
 

@@ -8,8 +8,12 @@ models on CPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,21 +25,22 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import safe_trainers
 from safe_trainers import SafetyArguments, SafetyError
+from safe_trainers.kinds import KINDS as KIND_ROWS
+from safe_trainers.kinds import TRAINER_KINDS
 from safe_trainers.toy import count_words_reward, dataset_for
 
-KINDS = ("reward", "dpo", "kto", "grpo")
-NAMES = {"reward": "Reward", "dpo": "DPO", "kto": "KTO", "grpo": "GRPO"}
-DEFAULT_MODEL = {"reward": "qwen2-rm", "dpo": "qwen2", "kto": "qwen2", "grpo": "qwen2"}
+KINDS = TRAINER_KINDS
+DEFAULT_MODEL = {k.id: "qwen2-rm" if k.model_task == "seq_cls" else "qwen2" for k in KIND_ROWS.values()}
 SAFETY_FIELDS = [f.name for f in dataclasses.fields(SafetyArguments)]
 
 
 def trainer_classes(kind):
-    name = f"{NAMES[kind]}Trainer"
+    name = KIND_ROWS[kind].trainer_name
     return getattr(safe_trainers, name), getattr(trl, name)
 
 
 def config_classes(kind):
-    name = f"{NAMES[kind]}Config"
+    name = KIND_ROWS[kind].config_name
     return getattr(safe_trainers, name), getattr(trl, name)
 
 
@@ -51,7 +56,7 @@ def config_kwargs(kind, tmp_path, name="out", **overrides):
     # `logging_nan_inf_filter=False`: the safe trainers would otherwise fix it, and these tests compare with TRL;
     # `learning_rate=1e-5`: the highest full fine-tuning rate `optim.learning_rate` accepts without a warning
     kwargs = cpu_args(output_dir=str(tmp_path / name), logging_nan_inf_filter=False, learning_rate=1e-5)
-    if kind == "grpo":
+    if KIND_ROWS[kind].online:
         kwargs.update(num_generations=2, max_completion_length=8)
     kwargs.update(overrides)
     return kwargs
@@ -97,8 +102,9 @@ def test_trainer_init_signature_matches_trl(kind):
 def test_trainer_accepts_exactly_trl_arguments(kind):
     # what the constructor *binds* is TRL's signature, whatever `inspect` shows
     safe_trainer, trl_trainer = trainer_classes(kind)
+    required = ("model", rank_reward) if KIND_ROWS[kind].online else ("model",)  # RLOO requires `reward_funcs`
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
-        safe_trainer("model", bogus=1)
+        safe_trainer(*required, bogus=1)
     with pytest.raises(TypeError, match="model"):
         safe_trainer()
     n_positional = len(_parameters(trl_trainer.__init__))  # self + every parameter
@@ -125,7 +131,7 @@ def test_config_fields_are_trl_fields_plus_safety_fields(kind):
 def test_config_values_equal_trl_values(kind, tmp_path):
     safe_config, trl_config = config_classes(kind)
     kwargs = dict(output_dir=str(tmp_path), use_cpu=True, learning_rate=3e-4, max_grad_norm=0.5)
-    if kind == "grpo":
+    if KIND_ROWS[kind].online:
         kwargs.update(num_generations=4, per_device_train_batch_size=4)
     safe = safe_config(**kwargs)
     plain = trl_config(**kwargs)
@@ -178,7 +184,7 @@ CLI = [
 def test_trl_parser_cli_flags(kind, tmp_path):
     safe_config, _ = config_classes(kind)
     argv = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--learning_rate", "2e-5", *CLI]
-    if kind == "grpo":
+    if KIND_ROWS[kind].online:
         argv += ["--num_generations", "2", "--per_device_train_batch_size", "2"]
     (config,) = trl.TrlParser((safe_config,)).parse_args_and_config(argv)
     assert type(config) is safe_config
@@ -260,7 +266,7 @@ def test_positional_call_grpo_and_reward(toy_models, tmp_path):
 def test_missing_train_dataset_keeps_trl_error(kind, toy_models, tmp_path):
     safe_trainer, trl_trainer = trainer_classes(kind)
     safe_config, trl_config = config_classes(kind)
-    extra = {"reward_funcs": rank_reward} if kind == "grpo" else {}
+    extra = {"reward_funcs": rank_reward} if KIND_ROWS[kind].online else {}
     model = toy_models[DEFAULT_MODEL[kind]]
     with pytest.raises(ValueError) as expected:
         trl_trainer(model, args=trl_config(**config_kwargs(kind, tmp_path)), **extra)
@@ -301,7 +307,7 @@ def test_safety_error_caught_as_value_error(toy_models, tmp_path):
 def test_same_training_losses_as_trl(kind, toy_models, tmp_path):
     safe_trainer, trl_trainer = trainer_classes(kind)
     safe_config, trl_config = config_classes(kind)
-    extra = {"reward_funcs": rank_reward} if kind == "grpo" else {}
+    extra = {"reward_funcs": rank_reward} if KIND_ROWS[kind].online else {}
     model = toy_models[DEFAULT_MODEL[kind]]
     # each trainer seeds the global RNG when it is built, so build and train one before the other
     ours = safe_trainer(
@@ -330,7 +336,7 @@ def _lora(task_type):
 def test_train_with_peft_moves_only_the_adapter(kind, toy_models, tmp_path):
     safe_trainer, _ = trainer_classes(kind)
     safe_config, _ = config_classes(kind)
-    extra = {"reward_funcs": rank_reward} if kind == "grpo" else {}
+    extra = {"reward_funcs": rank_reward} if KIND_ROWS[kind].online else {}
     task_type = "SEQ_CLS" if kind == "reward" else "CAUSAL_LM"
     trainer = safe_trainer(
         toy_models[DEFAULT_MODEL[kind]],
@@ -351,7 +357,7 @@ def test_train_with_peft_moves_only_the_adapter(kind, toy_models, tmp_path):
             assert not moved, f"base parameter {name} should stay frozen"
 
 
-@pytest.mark.parametrize("kind", ["reward", "dpo", "kto"])
+@pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "kto"])
 def test_train_with_eval_dataset(kind, toy_models, tmp_path):
     safe_trainer, _ = trainer_classes(kind)
     safe_config, _ = config_classes(kind)
@@ -468,3 +474,60 @@ def test_grpo_model_instance(toy_models, tmp_path):
     )
     assert trainer.model is model
     assert trainer.safety_report.findings == []
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One import line for the whole pipeline: every public name of `trl`
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _trl_public_objects() -> list[str]:
+    # TRL's `__all__` lists its submodules too (`trl.trainer`, `trl.scripts`, ...): `from trl import *` brings objects
+    return [name for name in trl.__all__ if importlib.util.find_spec(f"trl.{name}") is None]
+
+
+def test_every_public_trl_name_is_trl_object_except_the_safe_classes():
+    safe = {row.trainer_name for row in KIND_ROWS.values()} | {row.config_name for row in KIND_ROWS.values()}
+    names = _trl_public_objects()
+    assert {"ScriptArguments", "ModelConfig", "TrlParser", "DatasetMixtureConfig", "get_dataset"} <= set(names)
+    for name in names:
+        ours, theirs = getattr(safe_trainers, name), getattr(trl, name)
+        if name in safe:
+            assert ours is not theirs and issubclass(ours, theirs), name
+        else:
+            assert ours is theirs, name
+    assert set(names) <= set(safe_trainers.__all__) and set(names) <= set(dir(safe_trainers))
+    assert safe <= set(names)  # the six safe trainers and configs replace names TRL exports
+
+
+def test_trl_experimental_and_submodules_are_not_shadowed():
+    with pytest.raises(AttributeError, match="has no attribute 'experimental'"):
+        safe_trainers.experimental  # noqa: B018
+    with pytest.raises(ImportError):
+        exec("from safe_trainers import experimental", {})
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        safe_trainers.no_such_name  # noqa: B018
+    assert "trainer" not in safe_trainers.__all__ and "experimental" not in safe_trainers.__all__
+
+
+IMPORT_PROBE = """
+import json, sys
+import safe_trainers
+after_import = sorted(m for m in sys.modules if m.startswith("trl"))
+from safe_trainers import TrlParser, get_peft_config
+after_names = sorted(m for m in sys.modules if m.startswith("trl"))
+namespace = {}
+exec("from safe_trainers import *", namespace)
+print(json.dumps({"import": after_import, "names": after_names, "star": sorted(k for k in namespace if k[0] != "_")}))
+"""
+
+
+def test_import_stays_lazy_and_star_import_is_the_pipeline(tmp_path):
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # TRL's scripts module and the trainers safe_trainers does not wrap are imported only when asked for
+    assert "trl.scripts" not in result["import"] and "trl.trainer.distillation_trainer" not in result["import"]
+    assert "trl.scripts" in result["names"] and "trl.trainer.distillation_trainer" not in result["names"]
+    assert set(result["star"]) == set(safe_trainers.__all__)
+    assert "experimental" not in result["star"]

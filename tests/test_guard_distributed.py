@@ -89,6 +89,8 @@ def check_in_sync(results: list[dict], skipped: int, rollbacks: int, out) -> lis
         ("kto", ["loss:3:1"], [(3, "skip", [1])]),
         ("grpo", ["loss:3:1"], [(3, "skip", [1])]),
         ("reward", ["grad:3:0:inf", "weight:6:1"], [(3, "skip", []), (6, "skip", [1]), (6, "rollback", [1])]),
+        ("sft", ["loss:3:1"], [(3, "skip", [1])]),
+        ("rloo", ["weight:6:0"], [(6, "skip", []), (6, "rollback", [0])]),
     ],
 )
 def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
@@ -102,14 +104,16 @@ def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
     assert all(r["global_step"] == 8 for r in results)
 
 
-@pytest.mark.parametrize("stage,damaged", [(3, [0]), (2, [0, 1])])
-def test_deepspeed_zero_fault_on_one_rank(tmp_path, stage, damaged):
+@pytest.mark.parametrize(
+    "kind,stage,damaged", [("dpo", 3, [0]), ("dpo", 2, [0, 1]), ("sft", 3, [0]), ("rloo", 3, [0])]
+)
+def test_deepspeed_zero_fault_on_one_rank(tmp_path, kind, stage, damaged):
     config = tmp_path / f"zero{stage}.json"
     # Persistence threshold 0: ZeRO-3 partitions even this tiny model's weights instead of keeping them whole.
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
     config.write_text(json.dumps({**ZERO3, "zero_optimization": zero}))
     faults = ["loss:3:1", "weight:6:0"]  # the weight fault hits rank 0's own fp32 master shard
-    results = launch(deepspeed_launcher(), "dpo", faults, tmp_path, "--deepspeed", str(config))
+    results = launch(deepspeed_launcher(), kind, faults, tmp_path, "--deepspeed", str(config))
     events = check_in_sync(results, 1, 1, tmp_path / "out")
     assert [(e["step"], e["kind"]) for e in events] == [(3, "skip"), (6, "rollback")]
     assert events[0]["ranks"] == [1] and events[0]["first_nonfinite_module"]["rank"] == 1

@@ -1,13 +1,15 @@
-"""The README documents every rule, maps every catalogued NaN source to a rule or to the guard, and counts right."""
+"""The README restates the code: every rule documented, every catalogued NaN source mapped to a rule or to the guard
+(with the right count), which rule runs for which trainer, and the tests cited for each deliberate difference."""
 
 from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
+from safe_trainers.kinds import TRAINER_KINDS
 from safe_trainers.openrlhf import rule_ids as shim_rule_ids
-from safe_trainers.rules import rule_ids
-
+from safe_trainers.rules import DEFAULT_RULES, rule_ids
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 
@@ -56,3 +58,43 @@ def test_every_catalogued_source_is_mapped_and_the_count_is_right():
     stated = re.search(r"Coverage: (\d+) of the 20 .* and (\d+) of the 14 .*: (\d+) of 34 in all", text, re.S)
     assert stated, "the coverage sentence is missing"
     assert (int(stated.group(1)), int(stated.group(2)), int(stated.group(3))) == (*covered, sum(covered))
+
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def table_after(header: str) -> list[list[str]]:
+    """The rows (cells stripped) of the first Markdown table whose header row starts with `header`."""
+    lines = README.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_rule_matrix_matches_the_rules():
+    header = "| rule | " + " | ".join(TRAINER_KINDS) + " |"
+    assert header in README
+    matrix = {row[0].strip("`"): {k for k, cell in zip(TRAINER_KINDS, row[1:]) if cell} for row in table_after(header)}
+    assert matrix == {rule.id: set(rule.trainers) for rule in DEFAULT_RULES}
+
+
+def test_deliberate_differences_cite_existing_tests():
+    rows = table_after("| what differs from TRL |")
+    assert len(rows) >= 10
+    for what, cause, shown_by in rows:
+        assert cause and shown_by, what
+        current = None
+        for ref in re.findall(r"`([^`]+)`", shown_by):
+            path, _, name = ref.partition("::")
+            if path.endswith(".py"):
+                current = ROOT / "tests" / path
+                assert current.is_file(), ref
+            else:
+                name = path  # a test of the file named before it
+            if name:
+                assert current is not None and f"def {name}(" in current.read_text(), ref

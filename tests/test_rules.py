@@ -33,6 +33,7 @@ from safe_trainers import (
 )
 from safe_trainers.apply import apply_to_setup, replace_args
 from safe_trainers.engine import new_report, run_stage, select_rules, skipped_findings
+from safe_trainers.kinds import TRAINER_KINDS
 from safe_trainers.report import REMOVED, Change, Finding
 from safe_trainers.rules import DEFAULT_RULES, BuiltTrainer, get_rule, rule_ids
 from safe_trainers.rules.attention import is_flash, softcap_safe_implementation
@@ -84,8 +85,7 @@ def test_rule_ids_are_stable_and_in_order():
 def test_every_rule_is_documented(rule):
     assert rule.summary.strip()
     assert rule.rationale.startswith("https://")
-    # "rloo": the online-RL rules also apply to the RLOO trainer, added separately
-    assert rule.trainers and rule.trainers <= {"reward", "dpo", "kto", "grpo", "rloo"}
+    assert rule.trainers and rule.trainers <= set(TRAINER_KINDS)
     assert get_rule(rule.id) is rule
 
 
@@ -105,6 +105,8 @@ def test_get_rule_unknown_lists_valid_ids():
         ("kto", {"kto.batch_and_labels", "dpo.beta_positive"}, {"grpo.group_size", "peft.reward_seq_cls_lora"}),
         ("reward", {"peft.reward_seq_cls_lora", "data.no_loss_tokens"}, {"grpo.group_size", "dpo.beta_positive"}),
         ("grpo", {"grpo.group_size"}, {"data.no_loss_tokens", "dpo.beta_positive", "kto.batch_and_labels"}),
+        ("rloo", {"grpo.group_size"}, {"data.no_loss_tokens", "dpo.beta_positive", "kto.batch_and_labels"}),
+        ("sft", {"data.no_loss_tokens", "optim.grad_clip"}, {"grpo.group_size", "dpo.beta_positive"}),
     ],
 )
 def test_select_rules_by_trainer_kind(kind, present, absent):
@@ -1225,7 +1227,7 @@ def test_invalid_safety_fields(field, value, match):
 
 
 def test_safety_fields_defaults_on_every_config():
-    for kind in ("reward", "dpo", "kto", "grpo"):
+    for kind in TRAINER_KINDS:
         args = make_args(kind)
         assert isinstance(args, SafetyArguments)
         assert (args.safety_mode, args.safety_disable_rules, args.nan_guard) == ("fix", [], True)

@@ -131,6 +131,29 @@ def test_kto_main_on_the_embedded_toy_default(tmp_path):
     assert changed_tensors(load_file(str(toy_dir / "model.safetensors")), load_file(str(out / "model.safetensors")))
 
 
+def test_sft_main_on_the_embedded_toy_default(tmp_path):
+    out = tmp_path / "out"
+    trainer = main("sft", ["--output_dir", str(out)] + QUICK)
+
+    assert_trained_and_saved(trainer, out, "sft")
+    assert trainer.nan_guard is not None and type(trainer).__name__ == "SFTTrainer"
+    toy_dir = out / "toy-model"
+    assert changed_tensors(load_file(str(toy_dir / "model.safetensors")), load_file(str(out / "model.safetensors")))
+
+
+def test_rloo_main_with_local_data_and_builtin_reward(toy_models, tmp_path):
+    data = write_jsonl(tmp_path / "prompts.jsonl", toy.dataset_for("rloo"))
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", toy_models["qwen2"], "--dataset_name", data, "--output_dir", str(out),
+            "--reward_funcs", "count_words", "--num_generations", "2", "--max_completion_length", "8"]  # fmt: skip
+    trainer = main("rloo", argv + QUICK)
+
+    assert_trained_and_saved(trainer, out, "rloo")
+    assert [f.__name__ for f in trainer.reward_funcs] == ["count_words"]
+    assert any("rewards/count_words/mean" in entry for entry in trainer.state.log_history)
+    assert (out / "model.safetensors").is_file()  # (random completions score alike here: the weights may not move)
+
+
 def test_model_without_dataset_is_an_error(toy_models, tmp_path):
     with pytest.raises(ValueError, match="`model_name_or_path` is set but `dataset_name` is not"):
         main("dpo", ["--model_name_or_path", toy_models["qwen2"], "--output_dir", str(tmp_path)] + QUICK)
@@ -158,7 +181,7 @@ def test_parse_args_rejects_unknown_flags(tmp_path):
     with pytest.raises(ValueError, match="no_such_flag"):
         parse_args("dpo", ["--output_dir", str(tmp_path), "--no_such_flag", "1"])
     with pytest.raises(ValueError, match="Unknown trainer kind"):
-        parse_args("sft", [])
+        parse_args("ppo", [])
 
 
 def test_model_and_peft_fills_model_init_kwargs(toy_models, tmp_path):

@@ -1,4 +1,4 @@
-"""Real construction and training of the four safe trainers on tiny models, on CPU.
+"""Real construction and training of the six safe trainers on tiny models, on CPU.
 
 Every test builds a real TRL trainer from a tiny model saved on disk (see `conftest.toy_models`), and trains for two
 steps where training is part of the claim. Each rule is shown firing on the trainers it applies to, and staying quiet
@@ -26,6 +26,7 @@ from safe_trainers import (
     GRPOTrainer,
     SafetyError,
 )
+from safe_trainers.kinds import KINDS, TRAINER_KINDS
 from safe_trainers.toy import dataset_for
 
 from trainer_utils import (  # tests/ is on sys.path, as for conftest
@@ -39,7 +40,7 @@ from trainer_utils import (  # tests/ is on sys.path, as for conftest
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["reward", "dpo", "kto", "grpo"])
+@pytest.mark.parametrize("kind", TRAINER_KINDS)
 def test_trainer_trains_and_changes_weights(kind, toy_models, tmp_path):
     trainer = build(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path)
     assert isinstance(trainer, getattr(trl, type(trainer).__name__))
@@ -88,7 +89,7 @@ def test_fp16_load_dtype_becomes_bf16_and_torch_dtype_is_renamed(toy_models, tmp
     assert actions(trainer)["precision.bf16_over_fp16"] == "fixed"
 
 
-@pytest.mark.parametrize("kind", ["reward", "dpo", "kto", "grpo"])
+@pytest.mark.parametrize("kind", TRAINER_KINDS)
 def test_precision_rule_quiet_without_fp16(kind, toy_models, tmp_path):
     trainer = build(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, n=4)
     assert "precision.bf16_over_fp16" not in actions(trainer)
@@ -284,7 +285,7 @@ def test_full_finetune_fp16_instance_is_upcast(toy_models, tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["reward", "dpo", "kto", "grpo"])
+@pytest.mark.parametrize("kind", TRAINER_KINDS)
 def test_grad_clip_and_nonfinite_logging_fixed(kind, toy_models, tmp_path):
     trainer = build(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, n=4, max_grad_norm=0.0)
     assert trainer.args.max_grad_norm == 1.0
@@ -671,12 +672,12 @@ def test_plain_trl_grpo_config_checked_when_no_other_fix_applies(config_only_mod
         GRPOTrainer(model=config_only_model, reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4))
 
 
-@pytest.mark.parametrize("kind", ["reward", "dpo", "kto", "grpo"])
+@pytest.mark.parametrize("kind", TRAINER_KINDS)
 def test_args_none_raises_what_trl_raises(kind, toy_models, tmp_path, monkeypatch):
     # With no config, TRL builds a default one (bf16=True); transformers refuses bf16 on a CPU-only machine
     # without `use_cpu`. Whatever TRL raises here, the safe trainer must raise the same.
     monkeypatch.chdir(tmp_path)
-    extra = {"reward_funcs": rank_reward} if kind == "grpo" else {}
+    extra = {"reward_funcs": rank_reward} if KINDS[kind].online else {}
     model = toy_models[DEFAULT_MODEL[kind]]
     trl_class = getattr(trl, TRAINERS[kind].__name__)
     try:
@@ -690,7 +691,7 @@ def test_args_none_raises_what_trl_raises(kind, toy_models, tmp_path, monkeypatc
     assert type(exc.value) is type(expected) and str(exc.value) == str(expected)
 
 
-@pytest.mark.parametrize("kind, suffix", [("dpo", "DPO"), ("reward", "Reward")])
+@pytest.mark.parametrize("kind, suffix", [("dpo", "DPO"), ("reward", "Reward"), ("sft", "SFT")])
 def test_args_none_default_config_named_after_model(kind, suffix, toy_models, tmp_path, monkeypatch):
     # pretend bf16 is available so that the default config can be built on this CPU-only machine
     import transformers.training_args

@@ -8,15 +8,12 @@ import os
 import torch
 from conftest import cpu_args
 
-from safe_trainers import (
-    DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer,
-)  # fmt: skip
+from safe_trainers.configs import CONFIG_CLASSES as CONFIGS
+from safe_trainers.kinds import KINDS
 from safe_trainers.toy import dataset_for
+from safe_trainers.trainers import TRAINER_CLASSES as TRAINERS
 
-
-TRAINERS = {"reward": RewardTrainer, "dpo": DPOTrainer, "kto": KTOTrainer, "grpo": GRPOTrainer}
-CONFIGS = {"reward": RewardConfig, "dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig}
-DEFAULT_MODEL = {"reward": "qwen2-rm", "dpo": "qwen2", "kto": "qwen2", "grpo": "qwen2"}
+DEFAULT_MODEL = {k.id: "qwen2-rm" if k.model_task == "seq_cls" else "qwen2" for k in KINDS.values()}
 
 
 def rank_reward(completions, **kwargs) -> list[float]:
@@ -27,7 +24,7 @@ def rank_reward(completions, **kwargs) -> list[float]:
 def config_kwargs(kind: str, tmp_path, **overrides) -> dict:
     # `learning_rate=1e-5`: the highest full fine-tuning rate `optim.learning_rate` accepts without a warning
     kwargs = cpu_args(output_dir=str(tmp_path / f"{kind}-out"), learning_rate=1e-5)
-    if kind == "grpo":
+    if KINDS[kind].online:
         kwargs.update(num_generations=2, max_completion_length=8)
     kwargs.update(overrides)
     return kwargs
@@ -39,7 +36,7 @@ def build(kind: str, model, tmp_path, *, dataset=None, n=8, config_class=None, *
         k.removeprefix("trainer_"): overrides.pop(k) for k in list(overrides) if k.startswith("trainer_")
     }
     args = (config_class or CONFIGS[kind])(**config_kwargs(kind, tmp_path, **overrides))
-    if kind == "grpo":
+    if KINDS[kind].online:
         trainer_kwargs.setdefault("reward_funcs", rank_reward)
     data = dataset if dataset is not None else dataset_for(kind, n)
     return TRAINERS[kind](model=model, args=args, train_dataset=data, **trainer_kwargs)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..kinds import TRAINER_KINDS
 
-KINDS = ("reward", "dpo", "kto", "grpo")
+
 DEFAULT_TARGET = "a CUDA GPU with bf16 (Ampere or newer), CUDA and cuBLAS versions not given"
 EPILOG = """\
 examples:
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # an override such as `--model_init_kwargs` must never be read as one of these options
     )
-    parser.add_argument("--trainer", required=True, choices=KINDS, help="Which trainer the config is for.")
+    parser.add_argument("--trainer", required=True, choices=TRAINER_KINDS, help="Which trainer the config is for.")
     parser.add_argument("--config", required=True, help="A YAML config, as taken by `launch/train_<trainer>.py`.")
     parser.add_argument("--model", default=None, help="Model path or id (overrides `model_name_or_path`).")
     target = parser.add_argument_group(

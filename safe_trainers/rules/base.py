@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..kinds import TRAINER_KINDS
 from ..report import Change, Finding
 
 
-ALL_TRAINERS = frozenset({"reward", "dpo", "kto", "grpo"})
+ALL_TRAINERS = frozenset(TRAINER_KINDS)
 
 
 @dataclass(frozen=True)

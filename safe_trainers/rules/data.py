@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..report import Change, Finding
+from . import data_sft
 from .base import BuiltTrainer, Rule
 
 
@@ -57,7 +58,7 @@ def token_counts(dataset, names: tuple[str, ...]) -> dict[str, list[int]] | None
 class NoLossTokens(Rule):
     id = "data.no_loss_tokens"
     summary = "Examples with zero loss tokens after tokenization/truncation are dropped (counted); none left is an error."
-    trainers = frozenset({"reward", "dpo", "kto"})
+    trainers = frozenset({"sft", "reward", "dpo", "kto"})
     rationale = "https://github.com/OpenRLHF/OpenRLHF/commit/0fdee11b"
 
     def check_built(self, built: BuiltTrainer) -> Finding | None:
@@ -65,9 +66,13 @@ class NoLossTokens(Rule):
         if dataset is None or not hasattr(dataset, "__len__"):
             return None
         max_length = getattr(built.args, "max_length", None)
-        cause = f"the prompt fills `max_length={max_length}`, or the completion is empty" if max_length else (
-            "the completion is empty"
-        )
+        if built.kind == "sft":
+            cause, effect, missing = data_sft.cause(built.args), data_sft.EFFECT, "token to train on"
+        else:
+            cause = f"the prompt fills `max_length={max_length}`, or the completion is empty" if max_length else (
+                "the completion is empty"
+            )
+            effect, missing = "their loss would be NaN (a mean over zero tokens)", "completion token"
         source = built.source_rows
         if len(dataset) == 0:
             if source:
@@ -76,21 +81,27 @@ class NoLossTokens(Rule):
                     "nothing to train on. Raise `max_length`, shorten the prompts, or check the completion column."
                 )
             return None
-        counts = token_counts(dataset, TOKENIZED_COLUMNS[built.kind])
-        bad = rows_without_loss_tokens(built.kind, counts, max_length, getattr(built.args, "truncation_mode", "keep_start")) if counts else []
+        if built.kind == "sft":
+            bad = data_sft.rows_without_loss_tokens(dataset)
+        else:
+            counts = token_counts(dataset, TOKENIZED_COLUMNS[built.kind])
+            truncation_mode = getattr(built.args, "truncation_mode", "keep_start")
+            bad = rows_without_loss_tokens(built.kind, counts, max_length, truncation_mode) if counts else []
         total = len(dataset)
-        dropped_upstream = (source - total) if source is not None and source > total else 0
+        # Packing merges examples into rows, so the row count says nothing about dropped examples.
+        packed = getattr(built.args, "packing", False)
+        dropped_upstream = (source - total) if source is not None and source > total and not packed else 0
         if bad and len(bad) == total:
             return self.blocked(
-                f"all {total} training examples have no completion token left after tokenization ({cause}), so "
-                "every loss is a mean over nothing (NaN). Raise `max_length`, shorten the prompts, or check the "
-                "completion column."
+                f"all {total} training examples have no {missing} left after tokenization ({cause}), so every "
+                "loss is a mean over nothing. Raise `max_length`, shorten the prompts, or check the completion "
+                "column."
             )
         if bad:
             note = f" TRL's preprocessing had already dropped {dropped_upstream}." if dropped_upstream else ""
             return self.fixed(
-                f"{len(bad)} of {total} training examples have no completion token left after tokenization ({cause}); "
-                f"their loss would be NaN (a mean over zero tokens). Dropped them (first: row {bad[0]}).{note}",
+                f"{len(bad)} of {total} training examples have no {missing} left after tokenization ({cause}); "
+                f"{effect}. Dropped them (first: row {bad[0]}).{note}",
                 Change("train_dataset.num_rows", total, total - len(bad)),
                 drop_rows=bad,
             )

@@ -1,4 +1,4 @@
-"""GRPO rule: groups large enough to normalise rewards, batches made of whole groups, sampling temperature > 0."""
+"""Group rule (GRPO, RLOO): groups big enough for a baseline, batches of whole groups, sampling temperature > 0."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ def group_size_problems(num_generations: int | None, generation_batch_size: int 
     problems = []
     if num_generations is not None and num_generations < 2:
         problems.append(
-            f"`num_generations={num_generations}`: GRPO normalises each reward by its group's standard deviation, "
-            "and the deviation of a single completion is NaN (every advantage would be 0 or NaN). Set "
-            "`num_generations` to 2 or more (8 or 16 is typical)."
+            f"`num_generations={num_generations}`: GRPO normalises each reward by its group's standard deviation and "
+            "RLOO's baseline is the mean of the other completions of the group; for a single completion both are NaN "
+            "(every advantage would be 0 or NaN). Set `num_generations` to 2 or more (8 or 16 is typical)."
         )
     if (
         num_generations is not None
@@ -43,7 +43,7 @@ def group_size_problems(num_generations: int | None, generation_batch_size: int 
 class GroupSize(Rule):
     id = "grpo.group_size"
     summary = "`num_generations` >= 2, generation batch divisible by it, `temperature` > 0 (checked before loading)."
-    trainers = frozenset({"grpo"})
+    trainers = frozenset({"grpo", "rloo"})
     rationale = "https://github.com/huggingface/trl/issues/2906"
 
     def check(self, setup) -> Finding | None:

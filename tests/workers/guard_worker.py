@@ -1,4 +1,4 @@
-"""Train one of the four safe trainers on a toy model with injected faults; write a JSON result per rank.
+"""Train one of the safe trainers on a toy model with injected faults; write a JSON result per rank.
 
 Launched by the distributed guard tests, e.g.:
     accelerate launch --multi_gpu --num_processes 2 tests/workers/guard_worker.py --kind dpo --fault loss:6:1 \
@@ -26,11 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import safe_trainers as st  # noqa: E402
 from guard_utils import TRAINERS, guarded_trainer, recording  # noqa: E402
 from safe_trainers.faults import Fault  # noqa: E402
+from safe_trainers.kinds import TRAINER_KINDS  # noqa: E402
 
 
 def parse(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--kind", default="dpo", choices=["reward", "dpo", "kto", "grpo"])
+    parser.add_argument("--kind", default="dpo", choices=TRAINER_KINDS)
     parser.add_argument("--fault", action="append", default=[], help="kind:step[:rank[:value]]")
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", required=True, help="a saved toy model (safe_trainers.toy.save_toy_model)")

@@ -1,0 +1,37 @@
+# Copyright 2026 The safe_trainers authors. Licensed under the Apache License, Version 2.0.
+"""
+Train a policy with REINFORCE Leave-One-Out against reward functions,
+with `safe_trainers.RLOOTrainer`: TRL's trainer plus the safety rules and the NaN guard.
+
+# Tiny local run (no model or dataset given: a toy model and dataset are built locally, no network)
+```bash
+accelerate launch launch/train_rloo.py --output_dir out/rloo-toy --max_steps 10
+```
+
+# From a shipped config, with command-line overrides
+```bash
+accelerate launch --config_file configs/accelerate/multi_gpu.yaml launch/train_rloo.py \
+    --config configs/trainers/rloo.yaml \
+    --learning_rate 1e-6
+```
+
+# Every flag on the command line
+```bash
+python launch/train_rloo.py \
+    --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
+    --dataset_name trl-lib/tldr \
+    --output_dir out/rloo \
+    --reward_funcs length \
+    --safety_mode fix
+```
+
+Rewards: `--reward_funcs count_words length` (built-ins in `safe_trainers.rewards`) or `my_module:my_reward`.
+Run `python launch/train_rloo.py --help` for every option (TRL's `RLOOConfig` fields, `safety_*`, `nan_*`, model
+and dataset arguments).
+"""
+
+from safe_trainers.scripts import main
+
+
+if __name__ == "__main__":
+    main("rloo")
