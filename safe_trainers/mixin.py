@@ -7,6 +7,8 @@ import inspect
 import logging
 from typing import Any, ClassVar
 
+from transformers.trainer_callback import DefaultFlowCallback
+
 from .apply import apply_to_setup, apply_to_trainer
 from .arguments import SafetyArguments
 from .engine import new_report, run_stage, select_rules
@@ -88,7 +90,11 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         self._publish_safety_report()
         if settings.nan_guard:
             self.nan_guard = NanGuard(self, settings)
-            self.add_callback(NanGuardCallback(self.nan_guard))
+            # Right after the flow callback (which decides whether this step logs, evaluates or saves) and before
+            # every other: TRL's reference-model sync and the reporting integrations must see a verified state.
+            callbacks = self.callback_handler.callbacks
+            flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
+            callbacks.insert(flow + 1, NanGuardCallback(self.nan_guard))
 
     def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
         model = arguments.get("model")

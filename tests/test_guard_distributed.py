@@ -90,7 +90,8 @@ def check_in_sync(results: list[dict], skipped: int, rollbacks: int, out) -> lis
         ("grpo", ["loss:3:1"], [(3, "skip", [1])]),
         ("reward", ["grad:3:0:inf", "weight:6:1"], [(3, "skip", []), (6, "skip", [1]), (6, "rollback", [1])]),
         ("sft", ["loss:3:1"], [(3, "skip", [1])]),
-        ("rloo", ["weight:6:0"], [(6, "skip", []), (6, "rollback", [0])]),
+        # RLOO verifies the weights before sampling step 6's completions (the state after step 5): a rollback, no skip.
+        ("rloo", ["weight:6:0"], [(5, "rollback", [0])]),
     ],
 )
 def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
@@ -115,7 +116,9 @@ def test_deepspeed_zero_fault_on_one_rank(tmp_path, kind, stage, damaged):
     faults = ["loss:3:1", "weight:6:0"]  # the weight fault hits rank 0's own fp32 master shard
     results = launch(deepspeed_launcher(), kind, faults, tmp_path, "--deepspeed", str(config))
     events = check_in_sync(results, 1, 1, tmp_path / "out")
-    assert [(e["step"], e["kind"]) for e in events] == [(3, "skip"), (6, "rollback")]
+    # RLOO verifies the weights before sampling step 6's completions, so its rollback is recorded at step 5.
+    rollback_step = 5 if kind == "rloo" else 6
+    assert [(e["step"], e["kind"]) for e in events] == [(3, "skip"), (rollback_step, "rollback")]
     assert events[0]["ranks"] == [1] and events[0]["first_nonfinite_module"]["rank"] == 1
     # ZeRO-3 keeps the damage in rank 0's shard; ZeRO-2 all-gathers the 16-bit weights, so both ranks see it.
     assert events[1]["restored_step"] == 4 and events[1]["ranks"] == damaged

@@ -71,11 +71,12 @@ def test_nan_weight_rolls_back(kind, toy_models, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_persistent_fault_aborts_with_last_good_checkpoint(kind, toy_models, tmp_path):
     fault = Fault(step=3, kind="loss", repeat=1000)
-    trainer = guarded(kind, toy_models, tmp_path, [fault], nan_max_rollbacks=2)
+    trainer = guarded(kind, toy_models, tmp_path, [fault], nan_max_rollbacks=2, max_steps=20)
     with pytest.raises(st.TrainingDivergedError, match="nan_max_rollbacks=2") as error:
         trainer.train()
+    # Skips 3-5 and 6-8 roll back to step 2; the third run (9-11) aborts: checkpoint-11 holds step 2's weights.
     checkpoint = error.value.checkpoint_dir
-    assert checkpoint and checkpoint.endswith("checkpoint-2") and os.path.isdir(checkpoint)
+    assert checkpoint and checkpoint.endswith("checkpoint-11") and os.path.isdir(checkpoint)
     kinds = [e["kind"] for e in read_events(str(tmp_path))]
     assert kinds.count("rollback") == 2 and kinds[-1] == "abort"
     assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))

@@ -100,7 +100,9 @@ def test_resume_after_rollback_continues_the_batch_stream(toy_models, tmp_path, 
     cls = recording(st.DPOTrainer if kind == "dpo" else st.GRPOTrainer)
     reference = guarded_trainer(kind, toy_models["qwen2"], str(tmp_path / "ref"), faults, trainer_cls=cls, max_steps=8)
     reference.train()
-    assert [e["kind"] for e in read_events(str(tmp_path / "ref"))] == ["skip", "rollback"]
+    # GRPO verifies the weights before sampling step 3's completions: a rollback before any NaN loss.
+    expected = ["rollback"] if kind == "grpo" else ["skip", "rollback"]
+    assert [e["kind"] for e in read_events(str(tmp_path / "ref"))] == expected
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "ref" / "checkpoint-4", resumed_dir / "checkpoint-4")
     resumed = guarded_trainer(kind, toy_models["qwen2"], str(resumed_dir), faults, trainer_cls=cls, max_steps=8)
@@ -126,7 +128,9 @@ def test_best_model_paths_are_published_and_survive_resume(toy_models, tmp_path)
     for step in checkpoint_steps(str(tmp_path)):
         state = read_json(str(tmp_path / f"checkpoint-{step}" / "trainer_state.json"))
         best = state["best_model_checkpoint"]
-        assert best is None or (".safe_trainers_staging" not in best and os.path.isdir(best)), best
+        assert best is None or ".safe_trainers_staging" not in best, best
+        # Published when written; an older checkpoint may name a best that rotation removed after a newer best.
+        assert best is None or os.path.isdir(best) or int(best.rsplit("-", 1)[1]) < step
         evals = {h["step"]: h["eval_loss"] for h in state["log_history"] if "eval_loss" in h}
         if best is not None:
             assert state["best_metric"] == evals[int(best.rsplit("-", 1)[1])]

@@ -61,12 +61,12 @@ def test_every_catalogued_source_is_mapped_and_the_count_is_right():
 
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+README_TEXT = (ROOT / "README.md").read_text()
 
 
 def table_after(header: str) -> list[list[str]]:
     """The rows (cells stripped) of the first Markdown table whose header row starts with `header`."""
-    lines = README.splitlines()
+    lines = README_TEXT.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(header))
     rows = []
     for line in lines[start + 2 :]:
@@ -78,7 +78,7 @@ def table_after(header: str) -> list[list[str]]:
 
 def test_rule_matrix_matches_the_rules():
     header = "| rule | " + " | ".join(TRAINER_KINDS) + " |"
-    assert header in README
+    assert header in README_TEXT
     matrix = {row[0].strip("`"): {k for k, cell in zip(TRAINER_KINDS, row[1:]) if cell} for row in table_after(header)}
     assert matrix == {rule.id: set(rule.trainers) for rule in DEFAULT_RULES}
 

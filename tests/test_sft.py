@@ -82,7 +82,11 @@ def _fp16_lora_model(path):
 
 
 def test_fp16_lora_adapter_upcast_to_fp32_and_trains(toy_models, tmp_path):
-    trainer = build(_fp16_lora_model(toy_models["qwen2"]), tmp_path)
+    # With bf16 at hand `precision.bf16_over_fp16` casts fp16 weights to bf16 first; without it (V100/T4, or the rule
+    # disabled as here) the fp16 adapter is what `precision.fp32_trainable_params` fixes.
+    trainer = build(
+        _fp16_lora_model(toy_models["qwen2"]), tmp_path, safety_disable_rules=["precision.bf16_over_fp16"]
+    )
     (finding,) = trainer.safety_report.by_rule("precision.fp32_trainable_params")
     assert finding.action == "fixed" and all("lora_" in name for name in finding.data["names"])
     trainable = {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -96,7 +100,9 @@ def test_fp16_lora_adapter_upcast_to_fp32_and_trains(toy_models, tmp_path):
 
 def test_fp16_lora_adapter_left_fp16_without_the_rule(toy_models, tmp_path):
     trainer = build(
-        _fp16_lora_model(toy_models["qwen2"]), tmp_path, safety_disable_rules=["precision.fp32_trainable_params"]
+        _fp16_lora_model(toy_models["qwen2"]),
+        tmp_path,
+        safety_disable_rules=["precision.fp32_trainable_params", "precision.bf16_over_fp16"],
     )
     assert {p.dtype for p in trainer.model.parameters() if p.requires_grad} == {torch.float16}
 

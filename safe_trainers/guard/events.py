@@ -51,19 +51,30 @@ class EventLog:
         self.write = write
         self.events: list[NanEvent] = []
 
-    def start_run(self, resumed: bool) -> str | None:
-        """Begin a run: a resumed run appends to the log; a new run starts its own, and the previous run's log is kept
-        as `nan_events.previous-<n>.jsonl`. Returns that name, if a log was moved."""
+    def start_run(self, resumed_at: int | None) -> str | None:
+        """Begin a run. A new run (`resumed_at=None`) starts its own log and keeps the previous run's as
+        `nan_events.previous-<n>.jsonl`; a run resumed from the checkpoint of step `resumed_at` appends to the log,
+        which keeps only the events up to that step (later ones belong to the timeline the resume abandons; the full
+        log is kept as a previous one then). Returns the name of the kept log, if one was kept."""
         self.events = []
-        if resumed or not self.write or not os.path.exists(self.path):
+        if not self.write or not os.path.exists(self.path):
             return None
+        if resumed_at is not None:
+            with open(self.path) as f:
+                lines = [line for line in f if line.strip()]
+            kept = [line for line in lines if json.loads(line).get("step", 0) <= resumed_at]
+            if len(kept) == len(lines):
+                return None
         stem, ext = os.path.splitext(self.path)
         n = 1
         while os.path.exists(f"{stem}.previous-{n}{ext}"):
             n += 1
-        kept = f"{stem}.previous-{n}{ext}"
-        os.replace(self.path, kept)
-        return kept
+        previous = f"{stem}.previous-{n}{ext}"
+        os.replace(self.path, previous)
+        if resumed_at is not None:
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        return previous
 
     def add(self, event: NanEvent) -> NanEvent:
         self.events.append(event)

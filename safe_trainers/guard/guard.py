@@ -18,7 +18,9 @@ go on through a rollback, which only puts the weights and optimizer state of the
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 from typing import Any
 
 import torch
@@ -62,12 +64,17 @@ class NanGuard:
         self._loss_scaled = False
         self._consecutive = 0
         self._fault_now: torch.Tensor | None = None
+        self._refresh_best = False
         self._reset_step()
 
     # ------------------------------------------------------------------ lifecycle
     def start_run(self, resume_from: str | None) -> None:
         """Called by `train()`: a new run starts its own event log and counters; a resumed run restores them."""
-        moved = self.events.start_run(resumed=resume_from is not None)
+        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+        if resume_from is None and optimizer is not None and self.state.lr_scale != 1.0:
+            # A new run on the same trainer reuses its optimizer: undo the previous run's backoff.
+            scale_learning_rate(optimizer, None, 1.0 / self.state.lr_scale)
+        moved = self.events.start_run(resumed_at=_checkpoint_step(resume_from))
         if moved:
             logger.info(f"NaN guard: the previous run's event log was kept as {moved}.")
         saved = GuardState.load(resume_from) if resume_from is not None else None
@@ -97,6 +104,12 @@ class NanGuard:
         self._pending.clear()
         self.batches.clear()
         self._reset_step()
+        if not self.state_is_finite():
+            raise ValueError(
+                f"The model's weights or optimizer state are already non-finite before the first step (rank(s) "
+                f"{self.damaged_ranks}): there is no good state to keep. Check the checkpoint you load, or the dtype "
+                "it is loaded in."
+            )
         self.take_snapshot()
 
     def resumed_learning_rate(self, optimizer: Any, scheduler: Any) -> None:
@@ -188,14 +201,22 @@ class NanGuard:
         """
         trainer = self.trainer
         step = trainer.state.global_step
+        self._refresh_best_fields()
         snapshot_due = step % self.settings.nan_snapshot_steps == 0
         publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
+        publishing = publishing or _syncs_reference_model(trainer.args, step)
         verdict = None
         if control.should_log or publishing or snapshot_due or len(self._pending) >= self.settings.nan_snapshot_steps:
             verdict = self.inspect(control, verify=publishing or snapshot_due, snapshot=publishing or snapshot_due)
         if control.should_log and step > trainer._globalstep_last_logged:  # the Trainer logs this step
             trainer._guard_window_loss = self.ledger.close_window()
         return verdict
+
+    def before_publishing(self, control: Any) -> None:
+        """Right before the Trainer evaluates or saves: verify the state if no inspection did at this step (a
+        callback that runs after the guard's may have asked for the save or evaluation)."""
+        if (control.should_save or control.should_evaluate) and self.verified_step != self.trainer.state.global_step:
+            self.inspect(control, verify=True)
 
     def before_generation(self) -> None:
         """GRPO/RLOO, before sampling a generation batch: judge the pending steps and verify the state now (not from
@@ -272,6 +293,14 @@ class NanGuard:
     # ------------------------------------------------------------------ actions
     def take_snapshot(self) -> None:
         self.snapshotter.take(self.trainer.state)
+        # Taken in `on_step_end`, before this step's evaluation and save, which belong to the same weights: the
+        # best-model fields are refreshed at the next boundary (or rollback), once they have run.
+        self._refresh_best = True
+
+    def _refresh_best_fields(self) -> None:
+        if self._refresh_best and self.snapshotter is not None:
+            self.snapshotter.refresh_best_fields(self.trainer.state)
+            self._refresh_best = False
 
     def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
         roll_back(self, verdict, records, diagnosis)
@@ -324,10 +353,13 @@ class NanGuard:
         trainer = self.trainer
         model = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
         self.replaying = True
+        saved = _replay_sensitive_state(trainer)
         try:
             result = localize(trainer.model, batches, lambda b: trainer.compute_loss(model, b), trainer.args.device)
         finally:
             self.replaying = False
+            for name, value in saved.items():  # the replay is not training: TRL's metrics must not count it
+                setattr(trainer, name, value)
         result["rank"] = trainer.args.process_index
         if distributed():
             # Each rank replayed its own batches: report the rank where the forward pass went non-finite.
@@ -338,6 +370,24 @@ class NanGuard:
             )
         result["step"] = step
         return result
+
+
+def _checkpoint_step(checkpoint: str | None) -> int | None:
+    if checkpoint is None:
+        return None
+    name = os.path.basename(os.path.normpath(checkpoint))
+    return int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
+
+
+def _syncs_reference_model(args: Any, step: int) -> bool:
+    """TRL mixes the policy into the reference model at this step (`sync_ref_model`): it must be verified first."""
+    return bool(getattr(args, "sync_ref_model", False)) and step % max(getattr(args, "ref_model_sync_steps", 1), 1) == 0
+
+
+def _replay_sensitive_state(trainer: Any) -> dict[str, Any]:
+    """What TRL's `compute_loss` updates besides the loss (per-step metrics, token counters), copied."""
+    names = ("_metrics", "_total_train_tokens", "_textual_logs")
+    return {name: copy.deepcopy(getattr(trainer, name)) for name in names if hasattr(trainer, name)}
 
 
 __all__ = ["NanGuard"]

@@ -103,18 +103,22 @@ def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) ->
 def localize(model: torch.nn.Module, micro_batches: list[Any], replay: Callable[[Any], Any], device: Any) -> dict:
     """Replay the micro-batches of one step in order; report the first whose forward pass or loss went non-finite.
 
+    Every micro-batch is replayed, even after a finding, so that all ranks run the same number of forward passes
+    (and of the collectives inside them: ZeRO-3 gathers, TRL's metric gathers) whichever rank went non-finite.
+
     Returns the [`first_nonfinite_module`] result of that micro-batch plus `micro_batch` (its index in the step) and
     `micro_batches` (how many the step had); when all were finite, the reason says the backward pass was the culprit.
     """
+    found = None
     for index, batch in enumerate(micro_batches):
         on_device = _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
         result = first_nonfinite_module(model, lambda: replay(on_device))
-        if result.get("module") or result.get("reason") or not result.get("loss_finite", True):
+        if found is None and (result.get("module") or result.get("reason") or not result.get("loss_finite", True)):
             if result.get("module") is None and "reason" not in result:
                 result["reason"] = "every module output was finite; the loss computation was not"
             result.pop("loss_finite", None)
-            return {**result, "micro_batch": index, "micro_batches": len(micro_batches)}
-    return {
+            found = {**result, "micro_batch": index, "micro_batches": len(micro_batches)}
+    return found or {
         "module": None,
         "reason": "every module output and loss of the step's micro-batches was finite; the backward pass or the "
         "gradients were not",

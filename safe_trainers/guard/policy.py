@@ -95,6 +95,10 @@ class SpikeDetector:
         """Feed one applied step; return `True` when a spike is confirmed (the streak then resets)."""
         if self.threshold <= 0 or not (math.isfinite(loss) and math.isfinite(grad_norm)):
             return False
+        if grad_norm == 0.0:
+            # No learning signal (e.g. a GRPO batch whose groups all have equal rewards): neither judged nor counted,
+            # or a sparse-reward run's history would be all zeros and every informative step would look like a spike.
+            return False
         if self.spiking(loss, grad_norm):
             self.streak += 1
             if self.streak >= self.patience:
@@ -167,18 +171,17 @@ def judge_window(
     skipped, overflows = [], []
     rollback: Reason | None = None
     fault_step = None
-    run_start = None
     for record in records:
         if record.overflow:
             overflows.append(record)
         elif record.bad:
             skipped.append(record)
             consecutive += 1
-            run_start = record.step if consecutive == 1 or run_start is None else run_start
             if rollback is None and consecutive >= max_consecutive_skips:
-                rollback, fault_step = "consecutive_skips", run_start
+                # The run may have started in an earlier window: count back from this step.
+                rollback, fault_step = "consecutive_skips", record.step - consecutive + 1
         else:
-            consecutive, run_start = 0, None
+            consecutive = 0
             if spike is not None and rollback is None and spike.update(record.loss, record.grad_norm):
                 rollback, fault_step = "loss_spike", record.step
     if not state_finite and rollback is None:

@@ -26,7 +26,12 @@ logger = logging.getLogger("safe_trainers")
 def restore_last_good(guard: NanGuard) -> tuple[int, float]:
     """Put the last snapshot's weights and optimizer state back and back the LR off. Returns (step, new LR)."""
     trainer = guard.trainer
+    guard._refresh_best_fields()
     snap = guard.snapshotter.restore(trainer.state)
+    best = trainer.state.best_model_checkpoint
+    if best is not None and not os.path.isdir(best):
+        # The kept timeline's best checkpoint was rotated away while a discarded one was "best": no best now.
+        trainer.state.best_model_checkpoint = trainer.state.best_metric = trainer.state.best_global_step = None
     guard.state.lr_scale *= guard.settings.nan_lr_backoff
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     lr = scale_learning_rate(optimizer, trainer.lr_scheduler, guard.settings.nan_lr_backoff)

@@ -91,6 +91,10 @@ class Snapshotter:
             snap.ready.record()
         return snap
 
+    def refresh_best_fields(self, state: Any) -> None:
+        """Record the best-model fields as they are now, for the weights already in the snapshot."""
+        self.snapshot.counters = {k: getattr(state, k) for k in BEST_MODEL_FIELDS if hasattr(state, k)}
+
     # -- restoring ----------------------------------------------------------------------------------------------
     def restore(self, state: Any) -> Snapshot:
         """Put the last snapshot back into the model, the optimizer state and the best-model bookkeeping.

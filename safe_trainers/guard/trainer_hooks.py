@@ -50,7 +50,10 @@ class NanGuardTrainerMixin:
             checkpoint = resume_from_checkpoint
             if checkpoint is True:
                 checkpoint = get_last_checkpoint(self.args.output_dir)
-            guard.start_run(checkpoint if isinstance(checkpoint, str) else None)
+            if checkpoint is not None and checkpoint is not False:  # `True` with none found: transformers raises
+                guard.start_run(checkpoint if isinstance(checkpoint, str) else None)
+            elif not resume_from_checkpoint:
+                guard.start_run(None)
         output = super().train(
             resume_from_checkpoint=resume_from_checkpoint,
             trial=trial,
@@ -85,6 +88,11 @@ class NanGuardTrainerMixin:
         super()._load_optimizer_and_scheduler(checkpoint)
         if self.nan_guard is not None and checkpoint is not None:
             self.nan_guard.resumed_learning_rate(self.optimizer, self.lr_scheduler)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        if self.nan_guard is not None:
+            self.nan_guard.before_publishing(self.control)
+        super()._maybe_log_save_evaluate(*args, **kwargs)
 
     # ------------------------------------------------------------------ logs
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,128 @@
+"""Regression tests for the cases an adversarial review of the guard found (each failed before its fix)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from guard_utils import checkpoint_steps, guarded_trainer, read_json, weights_finite
+from transformers import TrainerCallback
+
+from safe_trainers.faults import Fault
+from safe_trainers.guard import read_events
+from safe_trainers.guard.policy import SpikeDetector, StepRecord, judge_window
+
+
+def test_best_model_of_the_snapshot_step_survives_a_rollback(toy_models, tmp_path):
+    # Snapshot, evaluation and save all at step 4: the snapshot is taken before step 4's evaluation, yet a rollback
+    # to it must keep checkpoint-4 as the best (it holds exactly the restored weights).
+    scores = iter([0.5, 0.9])  # eval@4 is the best (lower is better), eval@8 worse
+
+    kwargs = dict(
+        eval_rows=4, max_steps=8, eval_strategy="steps", eval_steps=4, save_steps=4, save_total_limit=1,
+        load_best_model_at_end=True, metric_for_best_model="score", greater_is_better=False, nan_snapshot_steps=4,
+    )  # fmt: skip
+    trainer = guarded_trainer("reward", toy_models["qwen2-rm"], str(tmp_path), [Fault(step=5, kind="update")], **kwargs)
+    trainer.compute_metrics = lambda prediction: {"score": next(scores)}
+    trainer.train()
+    assert [e["restored_step"] for e in read_events(str(tmp_path)) if e["kind"] == "rollback"] == [4]
+    assert trainer.state.best_metric == 0.5 and trainer.state.best_model_checkpoint.endswith("checkpoint-4")
+    assert checkpoint_steps(str(tmp_path)) == [4]  # kept as the best (transformers keeps only it at the end)
+
+
+def test_reference_model_sync_never_mixes_in_a_damaged_policy(toy_models, tmp_path):
+    kwargs = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5, nan_snapshot_steps=2)
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=4, kind="update")], **kwargs)
+    trainer.train()
+    assert [(e["step"], e["kind"]) for e in read_events(str(tmp_path))] == [(4, "rollback")]
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.ref_model.parameters())
+    assert trainer.state.global_step == 10 and weights_finite(trainer)
+
+
+class AskForSaveAndEval(TrainerCallback):
+    """A user callback (added after the guard's) that asks for a save and an evaluation at step 5."""
+
+    def __init__(self):
+        self.on_save_saw = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 5:
+            control.should_save = control.should_evaluate = True
+
+    def on_save(self, args, state, control, **kwargs):
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.on_save_saw.append((state.global_step, os.path.isdir(path)))
+
+
+def test_a_late_callbacks_save_and_eval_see_a_verified_state(toy_models, tmp_path):
+    trainer = guarded_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=5, kind="update")], eval_rows=4, max_steps=8,
+        save_strategy="no", eval_strategy="steps", eval_steps=100, nan_snapshot_steps=4,
+    )  # fmt: skip
+    callback = AskForSaveAndEval()
+    trainer.add_callback(callback)
+    trainer.train()
+    assert [(e["step"], e["kind"]) for e in read_events(str(tmp_path))] == [(5, "rollback")]
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    assert evals and all(math.isfinite(v) for v in evals)
+    assert callback.on_save_saw == [(5, True)]
+
+
+def test_diagnosis_replay_does_not_count_in_trl_metrics(toy_models, tmp_path):
+    def num_tokens(faults, out):
+        trainer = guarded_trainer(
+            "dpo", toy_models["qwen2"], str(out), faults, gradient_accumulation_steps=2, max_steps=4
+        )
+        trainer.train()
+        return [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
+
+    clean = num_tokens([], tmp_path / "clean")
+    faulted = num_tokens([Fault(step=3, kind="loss", micro_batch=0)], tmp_path / "faulted")
+    assert faulted == clean
+
+
+def test_a_second_train_call_starts_from_the_configured_learning_rate(toy_models, tmp_path):
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=3, kind="update")], max_steps=4)
+    trainer.train()
+    assert trainer.nan_guard.state.lr_scale == 0.5
+    trainer.train()  # a new run on the same trainer (no fault this time: the injector's fault has fired)
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert lrs[0] == trainer.args.learning_rate and trainer.nan_guard.state.lr_scale == 1.0
+
+
+def test_resume_in_the_same_directory_drops_the_abandoned_timelines_events(toy_models, tmp_path):
+    faults = [Fault(step=2, kind="loss"), Fault(step=6, kind="loss")]
+    guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), faults, max_steps=8).train()
+    assert [e["step"] for e in read_events(str(tmp_path))] == [2, 6]
+    resumed = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=8)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert [e["step"] for e in read_events(str(tmp_path))] == [2]  # step 6's skip belonged to the abandoned run
+    assert read_json(str(tmp_path / "checkpoint-8" / "nan_guard_state.json"))["skipped_steps"] == 1
+    assert os.path.exists(tmp_path / "nan_events.previous-1.jsonl")  # the full log is kept
+
+
+def test_resume_true_without_a_checkpoint_keeps_the_event_log(toy_models, tmp_path):
+    guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=1, kind="loss")], max_steps=2,
+                    save_strategy="no").train()  # fmt: skip
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=2, save_strategy="no")
+    try:
+        trainer.train(resume_from_checkpoint=True)
+    except ValueError:
+        pass  # transformers: no checkpoint to resume from
+    assert [e["step"] for e in read_events(str(tmp_path))] == [1]
+
+
+def test_fault_step_counts_back_across_inspection_windows():
+    bad = [StepRecord(s, math.nan, math.nan, bad=True) for s in (3, 4, 5)]
+    first = judge_window(bad[:2], 0, 3, None)
+    assert judge_window(bad[2:], first.consecutive, 3, None).fault_step == 3
+
+
+def test_steps_without_a_learning_signal_do_not_feed_the_spike_statistics():
+    # Sparse GRPO rewards: most generations have equal rewards in every group (loss and grad norm exactly 0).
+    detector = SpikeDetector(threshold=6.0, patience=2)
+    for step in range(200):
+        signal = step % 10 in (0, 1)  # a learning signal on two steps in a row, one generation in five
+        value = (0.01 * ((step * 7) % 5 - 2), 0.5 + 0.1 * ((step * 3) % 4)) if signal else (0.0, 0.0)
+        assert not detector.update(*value), step
