@@ -151,3 +151,13 @@ def test_resume_after_rollback_continues_on_two_ranks(tmp_path, launcher):
         assert resumed[rank]["seen"] == after and after
         assert resumed[rank]["global_step"] == reference[rank]["global_step"] == 8
     assert [(r["skipped"], r["rollbacks"]) for r in resumed] == [(1, 1)] * 2  # counters came back
+
+
+def test_ddp_rank_local_nan_in_one_micro_batch_is_diagnosed(tmp_path):
+    # Gradient accumulation 2, NaN in rank 1's first micro-batch only: every rank replays every micro-batch of the
+    # step (TRL's loss gathers metrics across ranks, so an uneven replay would mismatch the collectives).
+    results = launch(accelerate_ddp(), "dpo", ["loss:3:1:nan:0"], tmp_path, "--ga", "2")
+    events = check_in_sync(results, 1, 0, tmp_path / "out")
+    assert [(e["step"], e["kind"], e["ranks"]) for e in events] == [(3, "skip", [1])]
+    diagnosis = events[0]["first_nonfinite_module"]
+    assert (diagnosis["rank"], diagnosis["micro_batch"]) == (1, 0) and diagnosis["module"].endswith("layers.1")

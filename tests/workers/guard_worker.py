@@ -32,7 +32,7 @@ from safe_trainers.kinds import TRAINER_KINDS  # noqa: E402
 def parse(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--kind", default="dpo", choices=TRAINER_KINDS)
-    parser.add_argument("--fault", action="append", default=[], help="kind:step[:rank[:value]]")
+    parser.add_argument("--fault", action="append", default=[], help="kind:step[:rank[:value[:micro_batch]]]")
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", required=True, help="a saved toy model (safe_trainers.toy.save_toy_model)")
     parser.add_argument("--deepspeed", default=None)
@@ -40,6 +40,7 @@ def parse(argv=None):
     parser.add_argument("--max_rollbacks", type=int, default=3)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--save_steps", type=int, default=4)
+    parser.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
         parts = spec.split(":")
         rank = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
         value = float(parts[3]) if len(parts) > 3 else float("nan")
-        faults.append(Fault(step=int(parts[1]), kind=parts[0], rank=rank, value=value))
+        micro_batch = int(parts[4]) if len(parts) > 4 else None
+        faults.append(Fault(step=int(parts[1]), kind=parts[0], rank=rank, value=value, micro_batch=micro_batch))
     peft_config = None
     if ns.lora:
         from peft import LoraConfig
@@ -74,6 +76,7 @@ def main(argv=None) -> int:
         trainer_cls=recording(TRAINERS[ns.kind]),
         max_steps=ns.max_steps,
         save_steps=ns.save_steps,
+        gradient_accumulation_steps=ns.ga,
         nan_max_rollbacks=ns.max_rollbacks,
         deepspeed=ns.deepspeed,
     )
