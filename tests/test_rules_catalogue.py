@@ -232,3 +232,38 @@ def test_router_aux_loss_added_to_the_rl_loss_warned(cls):
 def test_router_aux_loss_silent(config, args_kw):
     setup = make_setup("grpo", None, config=config, model="toy/m", args=make_args("grpo", **args_kw))
     assert ROUTER.check(setup) is None
+
+
+def test_gemma2_flash_kept_with_a_flash_attn_that_soft_caps():
+    # flash-attn 2.6.3 and later soft-cap in the backward pass too: a valid run, not rewritten to eager.
+    import dataclasses
+
+    from rule_utils import make_args, make_setup
+    from safe_trainers.hardware import Hardware
+    from safe_trainers.rules import get_rule
+
+    rule = get_rule("attention.gemma2_no_flash")
+    args = make_args("dpo", model_init_kwargs={"attn_implementation": "flash_attention_2"})
+    new = dataclasses.replace(Hardware(), flash_attn_version="2.7.4.post1")
+    old = dataclasses.replace(Hardware(), flash_attn_version="2.5.9")
+    assert rule.check(make_setup("dpo", "gemma2", args=args, hardware=new)) is None
+    finding = rule.check(make_setup("dpo", "gemma2", args=args, hardware=old))
+    assert finding.action == "fixed" and "2.5.9" in finding.message
+
+
+def test_beta_unused_by_an_sft_only_dpo_loss_is_not_judged():
+    from safe_trainers.rules.preference import beta_problem
+
+    assert beta_problem(float("inf"), ["sft"]) is None and beta_problem(0.0, ["sft"]) is None
+    assert beta_problem(float("inf"), ["sigmoid", "sft"])[0] == "blocked"  # the sigmoid term does use it
+
+
+def test_untrained_rows_trained_by_the_adapter_are_not_warned():
+    from peft import LoraConfig
+
+    from safe_trainers.rules.tokens import peft_trains_rows
+
+    assert peft_trains_rows(LoraConfig(trainable_token_indices=[1, 5]), [1])
+    assert peft_trains_rows(LoraConfig(modules_to_save=["embed_tokens", "lm_head"]), [1, 2])
+    assert not peft_trains_rows(LoraConfig(target_modules=["q_proj"]), [1])
+    assert not peft_trains_rows(LoraConfig(trainable_token_indices=[5]), [1])

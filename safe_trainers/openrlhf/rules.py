@@ -16,7 +16,6 @@ from ..rules.optim import DEFAULT_MAX_GRAD_NORM, SANE_GRAD_NORM, clipping_disabl
 from ..rules.precision import FP16_OVERFLOW_FAMILIES
 from .command import CommandView
 from .flags import flag_kind
-from .models import QWEN2_FAMILY
 
 
 OPENRLHF = frozenset({"openrlhf"})
@@ -38,8 +37,9 @@ def _shown(view: CommandView, flag: str) -> str:
 
 
 class QwenNoVanillaLoss(Rule):
+    # The id names the seed failure (Qwen2 KTO, OpenRLHF#326); the NaN itself does not depend on the model family.
     id = "kto.qwen2_no_vanilla_loss"
-    summary = "OpenRLHF KTO (<= 0.3.3) on a Qwen2-family model: `--vanilla_loss` is removed (empty-group mean is NaN)."
+    summary = "OpenRLHF KTO (<= 0.3.3) with `--vanilla_loss`: the flag is removed (empty-group mean is NaN), any model."
     trainers = OPENRLHF
     rationale = "https://github.com/OpenRLHF/OpenRLHF/issues/326"
 
@@ -47,14 +47,13 @@ class QwenNoVanillaLoss(Rule):
         flag = view.flag("vanilla_loss")
         if view.entry != "train_kto" or not view.has(flag):
             return None
-        qwen = [m for m in view.models if m.types & QWEN2_FAMILY]
-        if not qwen:
-            return None
+        model = view.models[0].describe() if view.models else "this model"
         return self.fixed(
-            f"`{flag}` removed for {qwen[0].describe()}: the vanilla KTO loss averages the desirable and the "
-            "undesirable log-ratios of each shuffled micro-batch separately, and a micro-batch holding only one kind "
-            "makes one of those means a mean over nothing, i.e. NaN (the Qwen2 KTO NaN of OpenRLHF#326; the flag was "
-            "deleted in v0.3.4). Without it OpenRLHF uses its KTO loss with a KL baseline from mismatched pairs.",
+            f"`{flag}` removed for {model}: the vanilla KTO loss averages the desirable and the undesirable "
+            "log-ratios of each shuffled micro-batch separately, and a micro-batch holding only one kind makes one of "
+            "those means a mean over nothing, i.e. NaN, whatever the model (seen first as the Qwen2 KTO NaN of "
+            "OpenRLHF#326; the flag was deleted in v0.3.4). Without it OpenRLHF uses its KTO loss with a KL baseline "
+            "from mismatched pairs.",
             Change(f"argv.{flag}", True, REMOVED),
         )
 

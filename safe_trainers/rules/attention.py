@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from packaging.version import InvalidVersion, Version
+
 from ..report import Change, Finding
 from .base import Rule
 
@@ -9,6 +11,17 @@ from .base import Rule
 def is_flash(impl: object) -> bool:
     """Whether an `attn_implementation` value selects a flash-attention kernel (local or from the Hub)."""
     return isinstance(impl, str) and "flash" in impl.lower()
+
+
+def flash_soft_caps(impl: object, flash_attn_version: str | None) -> bool:
+    """Whether `impl` runs the installed flash-attn package at a version that soft-caps in the backward pass too
+    (2.6.3 and later); hub kernels and unknown versions are not assumed to."""
+    if impl != "flash_attention_2" or not flash_attn_version:
+        return False
+    try:
+        return Version(flash_attn_version) >= Version("2.6.3")
+    except InvalidVersion:
+        return False
 
 
 def softcap_safe_implementation(model_class: type | None) -> str:
@@ -19,7 +32,10 @@ def softcap_safe_implementation(model_class: type | None) -> str:
 
 class Gemma2NoFlash(Rule):
     id = "attention.gemma2_no_flash"
-    summary = "Models with soft-capped attention logits (Gemma-2) train with eager (or sdpa where supported), not flash."
+    summary = (
+        "Models with soft-capped attention logits (Gemma-2) train with eager (or sdpa where supported), not flash "
+        "(flash-attn >= 2.6.3 soft-caps and is kept)."
+    )
     rationale = "https://github.com/OpenRLHF/OpenRLHF/issues/528"
 
     def check(self, setup) -> Finding | None:
@@ -28,25 +44,31 @@ class Gemma2NoFlash(Rule):
         if softcap is None:
             return None
         target = softcap_safe_implementation(setup.model_class)
+        flash_ok = getattr(setup.hardware, "flash_attn_version", None)
+
+        def unsafe(impl: object) -> bool:
+            return impl != target and (impl == "sdpa" or (is_flash(impl) and not flash_soft_caps(impl, flash_ok)))
+
         changes = []
         if setup.model_is_path:
             requested = setup.model_init_kwargs.get("attn_implementation")
-            if requested is not None and requested != target and (is_flash(requested) or requested == "sdpa"):
+            if requested is not None and unsafe(requested):
                 changes.append(Change("args.model_init_kwargs.attn_implementation", requested, target))
         else:
             current = getattr(setup.model.config, "_attn_implementation", None)
-            if current != target and (is_flash(current) or current == "sdpa"):
+            if unsafe(current):
                 changes.append(Change("model.attn_implementation", current, target))
         ref = setup.ref_model
         if ref is not None and not isinstance(ref, str):
             current = getattr(ref.config, "_attn_implementation", None)
-            if current != target and (is_flash(current) or current == "sdpa"):
+            if unsafe(current):
                 changes.append(Change("ref_model.attn_implementation", current, target))
         if not changes:
             return None
         requested = changes[0].old
         reason = (
-            "flash-attn builds before 2.6.3 ignore the soft-cap in the backward pass (NaN gradients)"
+            "flash-attn builds before 2.6.3 (and kernels of unknown version) ignore the soft-cap in the backward pass "
+            f"(NaN gradients; installed flash-attn: {flash_ok or 'none'})"
             if is_flash(requested)
             else "sdpa cannot soft-cap"
         )

@@ -10,6 +10,8 @@ from .base import Rule
 
 # DPO loss types whose target margin is `1 / (2 * beta)` (IPO) or `0.5 / beta` (SPPO): `beta=0` divides by zero.
 DIVIDES_BY_BETA = frozenset({"ipo", "sppo_hard"})
+# Loss types that do not use `beta` at all (DPO's `sft` term: the chosen answers' NLL).
+BETA_FREE_LOSSES = frozenset({"sft"})
 # KTO loss types without the KL term (TRL computes it from mismatched pairs inside each micro-batch).
 KTO_KL_FREE_LOSSES = frozenset({"apo_zero_unpaired"})
 
@@ -27,8 +29,10 @@ def beta_problem(beta: float, losses: list[str]) -> tuple[str, str] | None:
 
     `blocked` where training crashes or gives NaN (a non-finite `beta`; `beta=0` with a loss that divides by it),
     `warned` where it trains to nothing (`beta=0` scales every log-ratio to 0: constant loss, no gradient) or the
-    wrong way (`beta < 0` prefers the rejected answers).
+    wrong way (`beta < 0` prefers the rejected answers). Losses that do not read `beta` (`sft` alone) are fine.
     """
+    if losses and set(losses) <= BETA_FREE_LOSSES:
+        return None
     if not math.isfinite(beta):
         return "blocked", (
             f"`beta={beta}`: the preference loss multiplies every log-ratio by `beta`, so the loss is NaN or inf from "

@@ -119,6 +119,18 @@ def set_rows_to_mean(weight: torch.Tensor, rows: list[int], ratio: float = UNTRA
         weight[rows] = weight[trained].float().mean(dim=0).to(weight.dtype)
 
 
+def peft_trains_rows(peft_config, ids: list[int]) -> bool:
+    """Whether a PEFT config trains the given embedding rows: the whole embedding (or output) matrices through
+    `modules_to_save`, or those rows through `trainable_token_indices`."""
+    saved = set(getattr(peft_config, "modules_to_save", None) or [])
+    if saved & {"embed_tokens", "lm_head", "wte", "embed_in", "embed_out"}:
+        return True
+    indices = getattr(peft_config, "trainable_token_indices", None)
+    if isinstance(indices, dict):
+        indices = [i for rows in indices.values() for i in rows]
+    return bool(indices) and set(ids) <= set(indices)
+
+
 class UntrainedEmbeddings(Rule):
     id = "tokens.untrained_embeddings"
     summary = "Chat-template special tokens with untrained (near-zero) embedding rows are set to the mean (LoRA: warned)."
@@ -142,6 +154,8 @@ class UntrainedEmbeddings(Rule):
             "gradients through the first normalisation (inf grad norm in half precision)"
         )
         if built.peft_config is not None:
+            if peft_trains_rows(built.peft_config, ids):
+                return None  # the adapter trains those rows (`trainable_token_indices` or whole embeddings)
             return self.warned(
                 f"{what}, and LoRA keeps the embeddings frozen. Train those rows (`trainable_token_indices="
                 f"{ids}` in the `peft_config`), or use the instruct checkpoint the template belongs to."
