@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from guard_utils import checkpoint_steps, guarded_trainer, nonfinite_in_checkpoints, weights_finite
+from guard_utils import bad_reward_at_step, checkpoint_steps, guarded_trainer, nonfinite_in_checkpoints, weights_finite
 
 import trl
 
@@ -103,18 +103,6 @@ def test_persistent_fault_aborts_with_last_good_checkpoint(toy_models, tmp_path,
     assert (first["step"], first["restored_step"], first["discarded_steps"]) == (5, 2, [3, 4, 5])
     assert events[-1]["restored_step"] == 2 and events[-1]["step"] == 11
     assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
-
-
-def bad_reward_at_step(step, value, first_only):
-    """A reward function that returns `value` at optimizer step `step` (for every completion, or the first only)."""
-
-    def reward(completions, trainer_state=None, **kwargs):
-        rewards = [float(len(c)) / 10 for c in completions]
-        if trainer_state.global_step + 1 == step:
-            rewards = [value] + rewards[1:] if first_only else [value] * len(completions)
-        return rewards
-
-    return reward
 
 
 @pytest.mark.parametrize(

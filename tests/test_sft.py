@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from safe_trainers import SafetyError, SFTConfig, SFTTrainer
 from safe_trainers.toy import dataset_for
+from trainer_utils import actions, snapshot, train_losses  # tests/ is on sys.path, as for conftest
 
 
 LONG_PROMPT = " ".join(["one two three four five six seven eight nine ten"] * 4)  # > 16 tokens
@@ -25,21 +26,6 @@ LONG_PROMPT = " ".join(["one two three four five six seven eight nine ten"] * 4)
 def build(model, tmp_path, dataset=None, n=8, **overrides):
     args = SFTConfig(**cpu_args(output_dir=str(tmp_path / "sft-out"), **overrides))
     return SFTTrainer(model=model, args=args, train_dataset=dataset if dataset is not None else dataset_for("sft", n))
-
-
-def train_losses(trainer) -> list[float]:
-    trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert losses, trainer.state.log_history
-    return losses
-
-
-def actions(trainer) -> dict[str, str]:
-    return {f.rule_id: f.action for f in trainer.safety_report.findings}
-
-
-def snapshot(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 # --------------------------------------------------------------------------------------------------------------------
