@@ -18,19 +18,17 @@ go on through a rollback, which only puts the weights and optimizer state of the
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .checkpoint import all_finite, deepspeed_state_tensors, optimizer_tensors
-from .collectives import agree_any, distributed, ranks_with_flag
+from .collectives import agree_any, ranks_with_flag
 from .events import EventLog, NanEvent
 from .ledger import LossLedger
-from .localize import RecentBatches, localize
+from .localize import RecentBatches, diagnose
 from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window
 from .recovery import abort, roll_back
 from .snapshot import Snapshotter, scale_learning_rate
@@ -350,26 +348,11 @@ class NanGuard:
         if not batches:  # every rank holds the batches of the same steps, so all ranks return here together
             return None
         self.state.localized = True
-        trainer = self.trainer
-        model = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
         self.replaying = True
-        saved = _replay_sensitive_state(trainer)
         try:
-            result = localize(trainer.model, batches, lambda b: trainer.compute_loss(model, b), trainer.args.device)
+            return diagnose(self.trainer, batches, step)
         finally:
             self.replaying = False
-            for name, value in saved.items():  # the replay is not training: TRL's metrics must not count it
-                setattr(trainer, name, value)
-        result["rank"] = trainer.args.process_index
-        if distributed():
-            # Each rank replayed its own batches: report the rank where the forward pass went non-finite.
-            results: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(results, result)
-            result = next(
-                (r for r in results if r.get("module")), next((r for r in results if "micro_batch" in r), results[0])
-            )
-        result["step"] = step
-        return result
 
 
 def _checkpoint_step(checkpoint: str | None) -> int | None:
@@ -381,13 +364,8 @@ def _checkpoint_step(checkpoint: str | None) -> int | None:
 
 def _syncs_reference_model(args: Any, step: int) -> bool:
     """TRL mixes the policy into the reference model at this step (`sync_ref_model`): it must be verified first."""
-    return bool(getattr(args, "sync_ref_model", False)) and step % max(getattr(args, "ref_model_sync_steps", 1), 1) == 0
-
-
-def _replay_sensitive_state(trainer: Any) -> dict[str, Any]:
-    """What TRL's `compute_loss` updates besides the loss (per-step metrics, token counters), copied."""
-    names = ("_metrics", "_total_train_tokens", "_textual_logs")
-    return {name: copy.deepcopy(getattr(trainer, name)) for name in names if hasattr(trainer, name)}
+    every = max(getattr(args, "ref_model_sync_steps", 1), 1)
+    return bool(getattr(args, "sync_ref_model", False)) and step % every == 0
 
 
 __all__ = ["NanGuard"]

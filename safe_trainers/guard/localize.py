@@ -3,10 +3,14 @@ first module whose output went non-finite."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from .collectives import distributed
 
 
 def _tensors(value: Any):
@@ -124,3 +128,27 @@ def localize(model: torch.nn.Module, micro_batches: list[Any], replay: Callable[
         "gradients were not",
         "micro_batches": len(micro_batches),
     }
+
+
+def diagnose(trainer: Any, batches: list[Any], step: int | None) -> dict[str, Any]:
+    """Replay one step's micro-batches through `trainer.compute_loss` on every rank ([`localize`]) and return the
+    finding of the rank where the forward pass went non-finite. The replay is not training: what TRL's
+    `compute_loss` records besides the loss (per-step metrics, token counters) is put back afterwards."""
+    model = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
+    saved = {n: copy.deepcopy(getattr(trainer, n)) for n in _REPLAY_SENSITIVE if hasattr(trainer, n)}
+    try:
+        result = localize(trainer.model, batches, lambda b: trainer.compute_loss(model, b), trainer.args.device)
+    finally:
+        for name, value in saved.items():
+            setattr(trainer, name, value)
+    result["rank"] = trainer.args.process_index
+    if distributed():
+        results: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+        with_batch = next((r for r in results if "micro_batch" in r), results[0])
+        result = next((r for r in results if r.get("module")), with_batch)
+    result["step"] = step
+    return result
+
+
+_REPLAY_SENSITIVE = ("_metrics", "_total_train_tokens", "_textual_logs")
