@@ -101,3 +101,13 @@ def test_nonfinite_values_never_enter_the_statistics(history, poison):
     for value in poison:
         assert detector.update(value, 1.0) is False and detector.update(0.0, value) is False
     assert (list(detector.loss.values), list(detector.grad_norm.values), detector.streak) == before
+
+
+def test_overflows_at_unit_scale_are_faults():
+    from safe_trainers.guard.policy import unexplained_overflows
+
+    records = [applied(1), overflow(2)]
+    assert unexplained_overflows(records, 65536.0) == records and unexplained_overflows(records, None) == records
+    converted = unexplained_overflows(records, 1.0)
+    assert converted[0] == records[0] and (converted[1].bad, converted[1].overflow) == (True, False)
+    assert converted[1].what == ["grad_norm"]

@@ -156,15 +156,12 @@ def test_rollback_restores_best_metric_of_the_kept_timeline(toy_models, tmp_path
 
 
 # ---------------------------------------------------------------- 5. fp16 loss-scaler overflows are not faults
-def overflowing_scaler():
-    # Scaled gradients overflow fp32 until the scale has been halved a few times, as fp16 does at 65536.
-    return torch.amp.GradScaler("cpu", init_scale=2.0**120, growth_interval=1000)
-
-
 class _ScaledDPO(trl.DPOTrainer):
+    init_scale = 2.0**120
+
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        self.accelerator.scaler = overflowing_scaler()
+        self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=self.init_scale, growth_interval=1000)
 
 
 class ScaledDPOTrainer(SafeTrainerMixin, _ScaledDPO):
@@ -206,6 +203,19 @@ def test_loss_scaler_overflows_are_not_faults(toy_models, tmp_path):
     stock.train()
     assert stock.accelerator.scaler.get_scale() == trainer.accelerator.scaler.get_scale()
     assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path / "safe"))
+
+
+class UnitScaleDPOTrainer(ScaledDPOTrainer):
+    init_scale = 1.0  # a scaler that no longer scales: nothing it skips is an overflow it can fix
+
+
+def test_nonfinite_gradients_at_unit_loss_scale_are_faults(toy_models, tmp_path):
+    fault = Fault(step=3, kind="grad", value=float("inf"), repeat=3)
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [fault], trainer_cls=UnitScaleDPOTrainer)
+    trainer.train()
+    events = [(e["step"], e["kind"]) for e in read_events(str(tmp_path))]
+    assert events == [(3, "skip"), (4, "skip"), (5, "skip"), (5, "rollback")]
+    assert trainer.nan_guard.state.overflow_steps == 0 and weights_finite(trainer)
 
 
 # ---------------------------------------------------------------- 6. spike detection on a healthy GRPO run

@@ -29,7 +29,7 @@ from .collectives import agree_any, ranks_with_flag
 from .events import EventLog, NanEvent
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
-from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window
+from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, unexplained_overflows
 from .recovery import abort, roll_back
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
@@ -227,6 +227,8 @@ class NanGuard:
         if not self._pending and not verify:
             return None
         records = self._read_pending()
+        if any(r.overflow for r in records):
+            records = unexplained_overflows(records, self._loss_scale())
         any_bad = any(r.bad for r in records)
         state_finite = self.state_verified() if (any_bad or verify) else True
         verdict = judge_window(
@@ -320,6 +322,16 @@ class NanGuard:
         self.events.add(NanEvent(self.trainer.state.global_step + 1, "reward", ["rewards"], [], detail))
 
     # ------------------------------------------------------------------ helpers
+    def _loss_scale(self) -> float | None:
+        """The loss scaler's current scale (a host read; only at an inspection that found overflows)."""
+        trainer = self.trainer
+        if self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None:
+            optimizer = trainer.model_wrapped.optimizer
+            scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
+            return float(scale) if scale is not None else None
+        scaler = trainer.accelerator.scaler
+        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+
     def _reset_step(self) -> None:
         self._loss_bad: torch.Tensor | None = None
         self._loss_sum: torch.Tensor | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 
@@ -188,6 +188,14 @@ def judge_window(
         rollback = "nonfinite_state"
         fault_step = skipped[0].step if skipped else (records[0].step if records else None)
     return Verdict(skipped, rollback, fault_step, consecutive, overflows)
+
+
+def unexplained_overflows(records: list[StepRecord], loss_scale: float | None) -> list[StepRecord]:
+    """Overflow records the loss scaler cannot explain become faults: once its scale has backed off to 1 or less it no
+    longer scales anything, so a non-finite gradient is the gradient's own, however often the scaler skips it."""
+    if loss_scale is None or loss_scale > 1.0:
+        return records
+    return [replace(r, overflow=False, bad=True) if r.overflow else r for r in records]
 
 
 def can_roll_back(rollbacks_done: int, max_rollbacks: int) -> bool:
