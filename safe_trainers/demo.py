@@ -82,8 +82,8 @@ def run_demo(output_dir: str | None = None, steps: int = 12, compare: bool = Tru
         if where:
             line += f"; first non-finite module: {where}"
         if event["kind"] == "rollback":
-            steps = event["discarded_steps"]
-            span = f"{steps[0]}-{steps[-1]}" if steps else "none"
+            discarded = event["discarded_steps"]
+            span = f"{discarded[0]}-{discarded[-1]}" if discarded else "none"
             line += (f"; restored the weights of step {event['restored_step']}, discarded the updates of steps "
                      f"{span}, learning rate now {event['learning_rate']:.3g}")
         print(line)

@@ -127,8 +127,9 @@ def test_check_unknown_gpu_needs_bf16_support(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_runs_and_recovers(tmp_path):
+    # The README's demo command as written (with the stock TRL comparison), only the output directory chosen.
     done = subprocess.run(
-        [sys.executable, "-m", "safe_trainers.cli.main", "demo", "--output-dir", str(tmp_path), "--no-compare"],
+        [sys.executable, "-m", "safe_trainers.cli.main", "demo", "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -136,6 +137,7 @@ def test_demo_runs_and_recovers(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[fixed] precision.bf16_over_fp16" in done.stderr + done.stdout
     assert "rollback" in done.stdout and "final weights finite: True" in done.stdout
+    assert "stock TRL final weights finite: False" in done.stdout
 
 
 def test_check_sft_fp16_on_gemma2(toy_models, tmp_path, capsys):
