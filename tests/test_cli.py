@@ -119,6 +119,14 @@ def test_check_reads_mixed_precision_from_the_accelerate_config(toy_models, tmp_
     assert "accelerate's `mixed_precision='fp16'`" in out and "args.mixed_precision: 'fp16' -> 'bf16'" in out
 
 
+def test_check_ignores_this_shells_accelerate_precision(toy_models, tmp_path, capsys, monkeypatch):
+    # The lint is for the described launch: the shell's `ACCELERATE_MIXED_PRECISION` is not the target's.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nbf16: false\nlogging_nan_inf_filter: false\n")
+    assert main(["check", "--trainer", "dpo", "--config", config, "--model", toy_models["qwen2"]]) == 0
+    assert "mixed_precision" not in capsys.readouterr().out
+
+
 def test_check_unknown_gpu_needs_bf16_support(tmp_path, capsys):
     config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\n")
     assert main(["check", "--trainer", "dpo", "--config", config, "--target-hardware", "Mystery 9000"]) == 2

@@ -156,8 +156,10 @@ def run(ns: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:  # the config itself is invalid (TRL's or transformers' own checks)
         print(f"safe-trainers check: `{ns.config}` is not a valid {ns.trainer} config: {error}", file=sys.stderr)
         return 2
-    if launcher_precision and not (training_args.fp16 or training_args.bf16):
-        training_args.mixed_precision = launcher_precision  # what `accelerate launch --config_file` would give it
+    if not (training_args.fp16 or training_args.bf16):
+        # What `accelerate launch --config_file` would give the run; the lint is for the launch described by the
+        # options, not for this shell (transformers read `ACCELERATE_MIXED_PRECISION` from it while parsing).
+        training_args.mixed_precision = launcher_precision or "no"
     model, training_args, peft_config = model_and_peft(ns.trainer, model_args, training_args)
     setup = build_setup(ns.trainer, training_args, model, peft_config=peft_config, hardware=hardware)
     settings = SafetyArguments.from_config(training_args)
