@@ -30,7 +30,7 @@ from .events import EventLog, NanEvent
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
 from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, unexplained_overflows
-from .recovery import abort, roll_back
+from .recovery import abort, record_overflows, record_skips, refuse_save, roll_back
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 
@@ -122,13 +122,10 @@ class NanGuard:
         self.state.save(checkpoint_dir)
 
     def log_counters(self) -> dict[str, int]:
-        s = self.state
-        return {
-            "nan_guard/skipped_steps": s.skipped_steps,
-            "nan_guard/rollbacks": s.rollbacks,
-            "nan_guard/discarded_steps": s.discarded_steps,
-            "nan_guard/overflow_steps": s.overflow_steps,
-        }
+        return self.state.counters()
+
+    def refuse_save(self, step: int) -> None:
+        refuse_save(self, step)
 
     # ------------------------------------------------------------------ hot path (no host sync)
     def record_inputs(self, inputs: Any) -> None:
@@ -235,13 +232,13 @@ class NanGuard:
             records, self._consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite
         )
         self._consecutive = verdict.consecutive
-        self._record_overflows(verdict.overflows)
+        record_overflows(self, verdict.overflows)
         diagnosis = None
         if (
             verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
         ) and not self.state.localized:
             diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
-        self._record_skips(verdict.skipped, diagnosis)
+        record_skips(self, verdict.skipped, diagnosis)
         self.batches.clear()
         if verdict.rollback is not None:
             if can_roll_back(self.rollbacks_this_run, self.settings.nan_max_rollbacks):
@@ -308,14 +305,6 @@ class NanGuard:
     def abort(self, verdict: Verdict) -> None:
         abort(self, verdict)
 
-    def refuse_save(self, step: int) -> None:
-        """Record that a checkpoint was not written because the state is non-finite."""
-        self.events.add(NanEvent(step, "save_refused", ["weights_or_optimizer_state"], [], {}))
-        logger.error(
-            f"NaN guard: checkpoint-{step} was NOT written: the weights or optimizer state are non-finite. The last "
-            "clean checkpoint is kept."
-        )
-
     def record_rewards(self, nonfinite: int, total: int, whole_groups: int) -> None:
         """GRPO/RLOO: some rewards came back NaN/None/Inf (called with gathered counts, identical on every rank)."""
         detail = {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups}
@@ -335,25 +324,6 @@ class NanGuard:
     def _reset_step(self) -> None:
         self._loss_bad: torch.Tensor | None = None
         self._loss_sum: torch.Tensor | None = None
-
-    def _record_skips(self, skipped: list[StepRecord], diagnosis: dict | None) -> None:
-        for i, record in enumerate(skipped):
-            self.state.skipped_steps += 1
-            detail: dict[str, Any] = {"loss": record.loss, "grad_norm": record.grad_norm}
-            if i == 0 and diagnosis is not None:
-                detail["first_nonfinite_module"] = diagnosis
-            self.events.add(NanEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
-        self.ledger.record_skips(len(skipped))
-        if skipped:
-            logger.warning(
-                f"NaN guard: {len(skipped)} update(s) with a non-finite loss or gradient were not applied "
-                f"(steps {[r.step for r in skipped]}). See {self.events.path}."
-            )
-
-    def _record_overflows(self, overflows: list[StepRecord]) -> None:
-        for record in overflows:
-            self.state.overflow_steps += 1
-            self.events.add(NanEvent(record.step, "overflow", ["grad_norm"], [], {"loss": record.loss}))
 
     def _localize(self, step: int | None) -> dict[str, Any] | None:
         batches = self.batches.get(step)

@@ -1,4 +1,4 @@
-"""The guard's actions on a fault it cannot skip past: roll back to the last good state, or stop the run.
+"""The guard's actions on a verdict: record skips and overflows, roll back to the last good state, or stop the run.
 
 A rollback puts back the weights and optimizer state of the last snapshot, the best-model bookkeeping with them, and
 backs the learning rate off. It rewinds nothing else: `global_step`, the data position, the LR schedule position, the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import TrainingDivergedError
 from .events import NanEvent
@@ -120,4 +120,36 @@ def abort_message(
         f"diverged: `trainer.train(resume_from_checkpoint={checkpoint!r})` (scripts: `--resume_from_checkpoint "
         f"{checkpoint}`). A lower `learning_rate` passed when resuming is applied too (the backoff multiplies it); "
         "also check the data around the listed steps, or raise `nan_max_rollbacks`."
+    )
+
+
+def record_skips(guard: NanGuard, skipped: list[StepRecord], diagnosis: dict | None) -> None:
+    """Count and log the steps whose update was prevented; the first carries the diagnosis."""
+    for i, record in enumerate(skipped):
+        guard.state.skipped_steps += 1
+        detail: dict[str, Any] = {"loss": record.loss, "grad_norm": record.grad_norm}
+        if i == 0 and diagnosis is not None:
+            detail["first_nonfinite_module"] = diagnosis
+        guard.events.add(NanEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
+    guard.ledger.record_skips(len(skipped))
+    if skipped:
+        logger.warning(
+            f"NaN guard: {len(skipped)} update(s) with a non-finite loss or gradient were not applied "
+            f"(steps {[r.step for r in skipped]}). See {guard.events.path}."
+        )
+
+
+def record_overflows(guard: NanGuard, overflows: list[StepRecord]) -> None:
+    """Count and log the loss scaler's own skips (not faults)."""
+    for record in overflows:
+        guard.state.overflow_steps += 1
+        guard.events.add(NanEvent(record.step, "overflow", ["grad_norm"], [], {"loss": record.loss}))
+
+
+def refuse_save(guard: NanGuard, step: int) -> None:
+    """Record that a checkpoint was not written because the state is non-finite."""
+    guard.events.add(NanEvent(step, "save_refused", ["weights_or_optimizer_state"], [], {}))
+    logger.error(
+        f"NaN guard: checkpoint-{step} was NOT written: the weights or optimizer state are non-finite. The last "
+        "clean checkpoint is kept."
     )

@@ -21,6 +21,15 @@ class GuardState:
     learning_rate: float | None = None  # the configured `learning_rate` the backoff applies to
     localized: bool = False
 
+    def counters(self) -> dict[str, int]:
+        """What goes into every log (W&B, TensorBoard, ...)."""
+        return {
+            "nan_guard/skipped_steps": self.skipped_steps,
+            "nan_guard/rollbacks": self.rollbacks,
+            "nan_guard/discarded_steps": self.discarded_steps,
+            "nan_guard/overflow_steps": self.overflow_steps,
+        }
+
     def save(self, checkpoint_dir: str) -> None:
         with open(os.path.join(checkpoint_dir, GUARD_STATE_FILE), "w") as f:
             json.dump(asdict(self), f)
