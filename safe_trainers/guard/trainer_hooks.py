@@ -50,10 +50,8 @@ class NanGuardTrainerMixin:
             checkpoint = resume_from_checkpoint
             if checkpoint is True:
                 checkpoint = get_last_checkpoint(self.args.output_dir)
-            if checkpoint is not None and checkpoint is not False:  # `True` with none found: transformers raises
+            if resume_from_checkpoint is not True or checkpoint is not None:  # else transformers raises: no checkpoint
                 guard.start_run(checkpoint if isinstance(checkpoint, str) else None)
-            elif not resume_from_checkpoint:
-                guard.start_run(None)
         output = super().train(
             resume_from_checkpoint=resume_from_checkpoint,
             trial=trial,
