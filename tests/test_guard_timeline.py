@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 import trl
+from conftest import cpu_args
 from guard_utils import (
     checkpoint_steps,
     guarded_trainer,
@@ -47,20 +48,8 @@ def test_rollback_on_the_last_step_still_ends_at_max_steps(toy_models, tmp_path)
 
 def test_epoch_based_run_with_rollback_ends_with_save_and_eval(toy_models, tmp_path):
     data = dataset_for("dpo", 24)
-    config = st.DPOConfig(
-        output_dir=str(tmp_path),
-        num_train_epochs=1,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="epoch",
-        eval_strategy="epoch",
-        report_to="none",
-        disable_tqdm=True,
-        use_cpu=True,
-        nan_snapshot_steps=2,
-        seed=0,
-    )
+    settings = dict(max_steps=-1, num_train_epochs=1, save_strategy="epoch", eval_strategy="epoch")
+    config = st.DPOConfig(**cpu_args(output_dir=str(tmp_path), nan_snapshot_steps=2, seed=0, **settings))
     trainer = st.DPOTrainer(toy_models["qwen2"], args=config, train_dataset=data, eval_dataset=dataset_for("dpo", 4))
     trainer.add_callback(FaultInjector([Fault(step=5, kind="weight")]))
     trainer.train()

@@ -73,6 +73,12 @@ def clean_staging(run_dir: str) -> list[str]:
     return removed
 
 
+def checkpoint_step(path: str) -> int | None:
+    """The step of a `checkpoint-N` directory (`None` for any other name)."""
+    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
 def checkpoints(run_dir: str) -> list[str]:
     """The published `checkpoint-N` directories of `run_dir`, oldest first."""
     if not os.path.isdir(run_dir):

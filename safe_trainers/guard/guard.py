@@ -19,12 +19,12 @@ go on through a rollback, which only puts the weights and optimizer state of the
 from __future__ import annotations
 
 import logging
-import os
+import sys
 from typing import Any
 
 import torch
 
-from .checkpoint import all_finite, deepspeed_state_tensors, optimizer_tensors
+from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
 from .collectives import agree_any, ranks_with_flag
 from .events import EventLog, NanEvent
 from .ledger import LossLedger
@@ -72,7 +72,11 @@ class NanGuard:
         if resume_from is None and optimizer is not None and self.state.lr_scale != 1.0:
             # A new run on the same trainer reuses its optimizer: undo the previous run's backoff.
             scale_learning_rate(optimizer, None, 1.0 / self.state.lr_scale)
-        moved = self.events.start_run(resumed_at=_checkpoint_step(resume_from))
+        resumed_at = None
+        if resume_from is not None:  # a directory not named `checkpoint-N` keeps the whole log
+            step = checkpoint_step(resume_from)
+            resumed_at = step if step is not None else sys.maxsize
+        moved = self.events.start_run(resumed_at=resumed_at)
         if moved:
             logger.info(f"NaN guard: the previous run's event log was kept as {moved}.")
         saved = GuardState.load(resume_from) if resume_from is not None else None
@@ -335,13 +339,6 @@ class NanGuard:
             return diagnose(self.trainer, batches, step)
         finally:
             self.replaying = False
-
-
-def _checkpoint_step(checkpoint: str | None) -> int | None:
-    if checkpoint is None:
-        return None
-    name = os.path.basename(os.path.normpath(checkpoint))
-    return int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
 
 
 def _syncs_reference_model(args: Any, step: int) -> bool:

@@ -69,8 +69,13 @@ class RecentBatches:
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy queued on the current stream (pinned destination, so the copy never blocks the host); it is read
+    only after an inspection's device-to-host transfer, which follows it on the same stream."""
     tensor = tensor.detach()
-    return tensor.to("cpu", non_blocking=True) if tensor.device.type != "cpu" else tensor
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) -> dict[str, Any]:
