@@ -80,15 +80,36 @@ def check_in_sync(results: list[dict], skipped: int, rollbacks: int, out) -> lis
     return read_events(os.path.join(str(out), "run"))
 
 
+class Within(frozenset):
+    """The `ranks` of an event whose loss may or may not show the fault: any subset of these ranks.
+
+    A NaN written into one rank's weights makes that rank's gradient non-finite (so every rank skips), but whether its
+    loss is NaN too depends on the model's numerics (TRL's DPO loss can stay finite through a `logsigmoid` of a NaN-free
+    difference, or not, depending on the installed versions). The contract is the skip on every rank and a rollback
+    that names the damaged rank, not the loss value.
+    """
+
+
+def assert_events(events: list[dict], expected: list[tuple]) -> None:
+    """`events` are `expected` as `(step, kind, ranks)`; `ranks` is exact, or a [`Within`] for any subset."""
+    assert [(e["step"], e["kind"]) for e in events] == [(step, kind) for step, kind, _ in expected]
+    for event, (_, _, ranks) in zip(events, expected):
+        if isinstance(ranks, Within):
+            assert set(event["ranks"]) <= ranks, (event, ranks)
+        else:
+            assert event["ranks"] == ranks, (event, ranks)
+
+
 @pytest.mark.parametrize(
     "kind,faults,expected",
     [
-        # NaN loss on rank 1 only at step 3, NaN weight on rank 0 only at step 6. At step 6 TRL's DPO loss stays
-        # finite on rank 0 (only the gradient is NaN), so the skip names no rank; the rollback names the damaged one.
-        ("dpo", ["loss:3:1", "weight:6:0"], [(3, "skip", [1]), (6, "skip", []), (6, "rollback", [0])]),
+        # NaN loss on rank 1 only at step 3 (the skip names rank 1), NaN weight on rank 0 only at step 6: every rank
+        # skips step 6 (rank 0's loss may or may not be NaN too), and the rollback names the damaged rank 0.
+        ("dpo", ["loss:3:1", "weight:6:0"], [(3, "skip", [1]), (6, "skip", Within({0})), (6, "rollback", [0])]),
         ("kto", ["loss:3:1"], [(3, "skip", [1])]),
         ("grpo", ["loss:3:1"], [(3, "skip", [1])]),
-        ("reward", ["grad:3:0:inf", "weight:6:1"], [(3, "skip", []), (6, "skip", [1]), (6, "rollback", [1])]),
+        # An Inf gradient leaves every loss finite: the skip names no rank.
+        ("reward", ["grad:3:0:inf", "weight:6:1"], [(3, "skip", []), (6, "skip", Within({1})), (6, "rollback", [1])]),
         ("sft", ["loss:3:1"], [(3, "skip", [1])]),
         # RLOO verifies the weights before sampling step 6's completions (the state after step 5): a rollback, no skip.
         ("rloo", ["weight:6:0"], [(5, "rollback", [0])]),
@@ -101,7 +122,7 @@ def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
     rollbacks = sum(1 for e in expected if e[1] == "rollback")
     skips = sum(1 for e in expected if e[1] == "skip")
     events = check_in_sync(results, skips, rollbacks, tmp_path / "out")
-    assert [(e["step"], e["kind"], e["ranks"]) for e in events] == expected
+    assert_events(events, expected)
     assert all(r["global_step"] == 8 for r in results)
 
 
