@@ -33,7 +33,8 @@ def run_stage(
 ) -> T:
     """Run `check` for each rule on `target`, record the findings in `report`, and return the updated target.
 
-    First every rule checks the target as given: blocked findings (every finding in `"strict"` mode) are raised
+    First every rule checks the target as given: blocked findings (in `"strict"` mode every finding but a changed
+    library default, see [`Finding.library_default`]) are raised
     together as one [`SafetyError`] before anything is changed, so a fix can never hide a blocking problem. Then, in
     `"fix"` mode, the rules run again in order and each fix is applied before the next rule runs, so later rules see
     earlier fixes. In `"warn"` mode fixes are reported as warnings and nothing changes.
@@ -42,7 +43,8 @@ def run_stage(
     strict = settings.safety_mode == "strict"
     opt_out = report.opt_out
     first = [f for f in (check(rule, target) for rule in rules) if f is not None]
-    blocked = [_as_blocked(f, strict, opt_out) for f in first if strict or f.action == "blocked"]
+    # `strict` refuses every finding about the user's own settings; a changed library default is still applied.
+    blocked = [_as_blocked(f, strict, opt_out) for f in first if (strict and f.counts_against_user) or f.action == "blocked"]
     if blocked:
         raise SafetyError(blocked, opt_out=opt_out)
     if settings.safety_mode == "warn":

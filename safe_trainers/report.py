@@ -91,6 +91,10 @@ class Finding:
             The settings the rule changes when `action="fixed"`.
         data (`dict`):
             Extra machine-readable detail for the code that applies the changes (e.g. dataset rows to drop).
+        library_default (`bool`, *optional*, defaults to `False`):
+            The finding is about a library default the user never set (e.g. TRL's `logging_nan_inf_filter=True`), not
+            about the user's own settings. It is applied and reported like any fix, but listed apart, and it never
+            fails `safety_mode="strict"` or `safe-trainers check`.
     """
 
     rule_id: str
@@ -98,6 +102,12 @@ class Finding:
     message: str
     changes: tuple[Change, ...] = ()
     data: dict[str, Any] = field(default_factory=dict, compare=False)
+    library_default: bool = False
+
+    @property
+    def counts_against_user(self) -> bool:
+        """Whether the finding is about the user's own settings: fails `strict` and `check` (skips never do)."""
+        return self.action != "skipped" and not self.library_default
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +115,7 @@ class Finding:
             "action": self.action,
             "message": self.message,
             "changes": [{"path": c.path, "old": _jsonable(c.old), "new": _jsonable(c.new)} for c in self.changes],
+            "library_default": self.library_default,
         }
 
 
@@ -138,20 +149,29 @@ class SafetyReport:
     def changes(self) -> list[Change]:
         return [c for f in self.findings if f.action == "fixed" for c in f.changes]
 
+    @property
+    def user_findings(self) -> list[Finding]:
+        """The findings about the user's own settings: what `safety_mode="strict"` and `safe-trainers check` fail on."""
+        return [f for f in self.findings if f.counts_against_user]
+
     def render(self) -> str:
         """The one summary shown to the user (main process only)."""
-        counts = {a: sum(f.action == a for f in self.findings) for a in ("fixed", "warned", "blocked", "skipped")}
+        own = [f for f in self.findings if not f.library_default]
+        defaults = [f for f in self.findings if f.library_default]
+        counts = {a: sum(f.action == a for f in own) for a in ("fixed", "warned", "blocked", "skipped")}
+        counts["library default changed"] = len(defaults)
         assumed = [f"  hardware assumed: {self.hardware}"] if self.hardware else []
         if self.mode == "off":
             return f"safe_trainers ({self.trainer}): safety rules are off ({self.opt_out.set_mode('off')})."
-        if not any(counts.values()):
+        if not self.findings:
             return "\n".join([f"safe_trainers ({self.trainer}): all safety rules passed, nothing changed.", *assumed])
         parts = [f"{n} {name}" for name, n in counts.items() if n]
         lines = [f"safe_trainers ({self.trainer}, safety_mode={self.mode!r}): " + ", ".join(parts) + ".", *assumed]
         width = max(len(f.rule_id) for f in self.findings)
-        for f in self.findings:
-            lines.append(f"  [{f.action}] {f.rule_id:<{width}}  {f.message}")
-            lines.extend(f"  {'':<{len(f.action) + 2}} {'':<{width}}    {c.render()}" for c in f.changes)
+        lines += _render_findings(own, width)
+        if defaults:
+            lines.append("  Library defaults you did not set (changed, but never a failure in `strict` mode or `check`):")
+            lines += _render_findings(defaults, width)
         lines.append(f"  Disable a rule with {self.opt_out.disable}.")
         return "\n".join(lines)
 
@@ -170,6 +190,14 @@ class SafetyReport:
             json.dump(self.to_dict(), f, indent=2)
         os.replace(tmp, path)
         return path
+
+
+def _render_findings(findings: list[Finding], width: int) -> list[str]:
+    lines = []
+    for f in findings:
+        lines.append(f"  [{f.action}] {f.rule_id:<{width}}  {f.message}")
+        lines.extend(f"  {'':<{len(f.action) + 2}} {'':<{width}}    {c.render()}" for c in f.changes)
+    return lines
 
 
 def _short(value: Any, limit: int = 80) -> str:

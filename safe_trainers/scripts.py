@@ -70,10 +70,11 @@ def has_accelerator() -> bool:
     )
 
 
-def make_parser(kind: str) -> TrlParser:
+def make_parser(kind: str, config_class: type | None = None) -> TrlParser:
     """TRL's parser over `(ScriptArguments, <safe config of kind>, ModelConfig)`. Without an accelerator, `use_cpu`
-    defaults to `True` (a `--config` file or the command line can still set it)."""
-    parser = TrlParser((ScriptArguments, get_kind(kind).config, ModelConfig), prog=f"train_{kind}")
+    defaults to `True` (a `--config` file or the command line can still set it). `config_class` replaces the safe
+    config class (`safe-trainers check` parses with one sized for the target's processes)."""
+    parser = TrlParser((ScriptArguments, config_class or get_kind(kind).config, ModelConfig), prog=f"train_{kind}")
     if not has_accelerator():
         # transformers refuses bf16 (the TRL default) without a GPU unless `use_cpu=True`.
         parser.set_defaults(use_cpu=True)
@@ -81,7 +82,7 @@ def make_parser(kind: str) -> TrlParser:
 
 
 def parse_args(
-    kind: str, argv: list[str] | None = None, announce_cpu: bool = True
+    kind: str, argv: list[str] | None = None, announce_cpu: bool = True, config_class: type | None = None
 ) -> tuple[ScriptArguments, Any, ModelConfig]:
     """Parse `argv` (default `sys.argv[1:]`): an optional YAML `--config` file, then command-line overrides.
 
@@ -94,12 +95,14 @@ def parse_args(
         announce_cpu (`bool`, *optional*, defaults to `True`):
             Log that training runs on the CPU when there is no accelerator (`safe-trainers check`, which trains
             nothing, turns it off).
+        config_class (`type`, *optional*):
+            Parse into this subclass of the kind's safe config instead (see [`make_parser`]).
 
     Returns:
         `tuple[ScriptArguments, Config, ModelConfig]`: script arguments, the safe trainer config (TRL fields plus
         `safety_*` and `nan_*`) and the model arguments.
     """
-    parser = make_parser(kind)
+    parser = make_parser(kind, config_class)
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
     if announce_cpu and training_args.use_cpu and not has_accelerator() and training_args.process_index == 0:

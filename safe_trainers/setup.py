@@ -8,6 +8,7 @@ target named to `safe-trainers check`). Rules read it and never modify it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class TrainerSetup:
         tokenizer (`PreTrainedTokenizerBase | ProcessorMixin | None`):
             The `processing_class` passed, else the tokenizer TRL will load from the model's directory (no weights);
             `None` if it cannot be read.
+        explicit_args (`frozenset[str] | None`):
+            The config fields the user set, when that is known (`safe-trainers check` reads them from the YAML file
+            and the overrides); `None` for a config object, see [`~TrainerSetup.user_set`].
     """
 
     kind: str
@@ -63,6 +67,18 @@ class TrainerSetup:
     deepspeed_config: dict | None = None
     hardware: Hardware = field(default_factory=Hardware)
     tokenizer: Any = None
+    explicit_args: frozenset[str] | None = None
+
+    def user_set(self, name: str) -> bool:
+        """Whether the user set config field `name` rather than leaving the library default.
+
+        Exact when `explicit_args` is known; for a config object (which does not record what was passed), a value
+        different from the field's default counts as set, so a default that is passed explicitly counts as not set.
+        """
+        if self.explicit_args is not None:
+            return name in self.explicit_args
+        default = field_default(type(self.args), name)
+        return getattr(self.args, name, default) != default
 
     @property
     def model_init_kwargs(self) -> dict[str, Any]:
@@ -90,6 +106,17 @@ class TrainerSetup:
             return self.model
         name = getattr(getattr(self.model, "config", None), "_name_or_path", None)
         return name or type(self.model).__name__
+
+
+def field_default(config_class: type, name: str) -> Any:
+    """The default of dataclass field `name` of `config_class` (`None` when it has none or is not a field)."""
+    for f in dataclasses.fields(config_class) if dataclasses.is_dataclass(config_class) else ():
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return None
 
 
 def load_deepspeed_config(value: Any) -> dict | None:
@@ -159,6 +186,7 @@ def build_setup(
     train_dataset: Any = None,
     processing_class: Any = None,
     hardware: Hardware | None = None,
+    explicit_args: frozenset[str] | None = None,
 ) -> TrainerSetup:
     """Gather a [`TrainerSetup`] for `kind` from the trainer's arguments (reads `config.json` and the tokenizer files,
     loads no weight)."""
@@ -180,6 +208,7 @@ def build_setup(
         deepspeed_config=load_deepspeed_config(getattr(args, "deepspeed", None)),
         hardware=hardware or Hardware.detect(),
         tokenizer=tokenizer,
+        explicit_args=explicit_args,
     )
 
 

@@ -994,14 +994,14 @@ def test_engine_warn_mode_changes_nothing():
 
 def test_engine_strict_mode_raises_one_error_listing_every_finding():
     setup, args = _unsafe_gemma_setup()
-    with pytest.raises(SafetyError, match=r"refused this configuration \(4 problems\)") as exc:
+    with pytest.raises(SafetyError, match=r"refused this configuration \(3 problems\)") as exc:
         run_setup_stage(setup, mode="strict")
     err = exc.value
+    # TRL's default `logging_nan_inf_filter=True` is changed, but it is not a problem of this config (issue 12).
     assert [f.rule_id for f in err.findings] == [
         "precision.bf16_over_fp16",
         "attention.gemma2_no_flash",
         "optim.grad_clip",
-        "logging.show_nonfinite",
     ]
     assert all(f.action == "blocked" for f in err.findings)
     message = str(err)

@@ -545,20 +545,12 @@ def _unsafe_gemma_config(tmp_path, **overrides):
 
 def test_strict_mode_raises_one_error_with_every_finding(toy_models, tmp_path):
     args = DPOConfig(**_unsafe_gemma_config(tmp_path, safety_mode="strict"))
-    with pytest.raises(SafetyError, match=r"refused this configuration \(4 problems\)") as exc:
+    with pytest.raises(SafetyError, match=r"refused this configuration \(3 problems\)") as exc:
         DPOTrainer(model=toy_models["gemma2"], args=args, train_dataset=dataset_for("dpo", 4))
-    assert [f.rule_id for f in exc.value.findings] == [
-        "precision.bf16_over_fp16",
-        "attention.gemma2_no_flash",
-        "optim.grad_clip",
-        "logging.show_nonfinite",
-    ]
-    for rule_id in (
-        "precision.bf16_over_fp16",
-        "attention.gemma2_no_flash",
-        "optim.grad_clip",
-        "logging.show_nonfinite",
-    ):
+    # TRL's default `logging_nan_inf_filter=True` is not a problem of this config: it does not fail `strict`.
+    expected = ["precision.bf16_over_fp16", "attention.gemma2_no_flash", "optim.grad_clip"]
+    assert [f.rule_id for f in exc.value.findings] == expected
+    for rule_id in expected:
         assert f"[{rule_id}]" in str(exc.value)
     assert not os.path.exists(args.output_dir)
 

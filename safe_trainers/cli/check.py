@@ -18,10 +18,12 @@ examples:
   safe-trainers check --trainer dpo --config c.yaml --model path/to/gemma-2 --fp16 true
   safe-trainers check --trainer grpo --config c.yaml --target-hardware H20 --cuda-version 12.1
   safe-trainers check --trainer dpo --config c.yaml --target-hardware V100 --accelerate-config fp16.yaml
+  safe-trainers check --trainer grpo --config c.yaml --target-hardware H100 --num-processes 7
 
 Arguments the check does not know are config overrides (TRL's flags, e.g. `--fp16 true`), as for the launch
 scripts; `--` before them is optional.
-Exit codes: 0 no finding, 1 `safety_mode=strict` would fail, 2 the config itself is invalid."""
+Exit codes: 0 no finding about your settings (a changed library default, such as TRL's `logging_nan_inf_filter=True`,
+is reported apart and does not count), 1 `safety_mode=strict` would fail, 2 the config is invalid for the target."""
 
 
 def _bool(text: str) -> bool:
@@ -86,7 +88,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="The accelerate config file the run is launched with: its `mixed_precision` applies when the trainer "
-        "config sets neither `fp16` nor `bf16`, as under `accelerate launch --config_file`.",
+        "config sets neither `fp16` nor `bf16`, as under `accelerate launch --config_file`, and its `num_processes` "
+        "(all machines together) sizes the GRPO/RLOO generation batch.",
+    )
+    target.add_argument(
+        "--num-processes",
+        "--num_processes",
+        dest="num_processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="The total number of training processes (GPUs) over all machines; overrides the accelerate config's.",
     )
     parser.set_defaults(run=run, accepts_overrides=True)
 
@@ -117,16 +129,6 @@ def _with_source(facts, source: str):
     return dataclasses.replace(facts, source=source)
 
 
-def accelerate_mixed_precision(path: str) -> str | None:
-    """`mixed_precision` of an accelerate config file (`None` when it sets none)."""
-    import yaml
-
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    value = data.get("mixed_precision")
-    return None if value is None else str(value).lower()
-
-
 def run(ns: argparse.Namespace) -> int:
     import warnings
 
@@ -135,37 +137,56 @@ def run(ns: argparse.Namespace) -> int:
     from ..arguments import SafetyArguments
     from ..engine import new_report, run_stage, select_rules
     from ..errors import SafetyError
+    from ..kinds import get_kind
     from ..scripts import has_accelerator, model_and_peft, parse_args
     from ..setup import build_setup
+    from . import target
 
-    try:
-        hardware = target_hardware(ns)
-        launcher_precision = accelerate_mixed_precision(ns.accelerate_config) if ns.accelerate_config else None
-    except (ValueError, OSError) as error:
-        print(f"safe-trainers check: error: {error}", file=sys.stderr)
-        return 2
     overrides = list(ns.passthrough)
     if ns.model:
         overrides += ["--model_name_or_path", ns.model]
+    try:
+        hardware = target_hardware(ns)
+        accelerate_config = target.read_yaml(ns.accelerate_config) if ns.accelerate_config else None
+        launch = target.launch_from(accelerate_config, ns.num_processes)
+        config = target.read_yaml(ns.config)
+        config, overrides, held = target.hold_target_fields(config, overrides)
+        target_values = target.target_values(held)
+    except (ValueError, OSError) as error:
+        print(f"safe-trainers check: error: {error}", file=sys.stderr)
+        return 2
+    launcher_precision = (accelerate_config or {}).get("mixed_precision")
+    explicit = target.explicit_fields(config, overrides) | frozenset(held)
     if hardware.accelerator != "cpu" and not has_accelerator():
         # transformers validates bf16 against *this* machine while parsing; the lint is for the target, so parse as
         # a CPU config here (the target's facts, not `use_cpu`, are what the rules read).
         overrides += ["--use_cpu", "true"]
+    config_class = target.config_class_for(get_kind(ns.trainer).config, launch.num_processes)
+    problems = target.target_problems(target_values, hardware)
     try:
-        _, training_args, model_args = parse_args(ns.trainer, ["--config", ns.config, *overrides], announce_cpu=False)
+        with target.config_file(config) as path:
+            _, training_args, model_args = parse_args(
+                ns.trainer, ["--config", path, *overrides], announce_cpu=False, config_class=config_class
+            )
     except (ValueError, OSError) as error:  # the config itself is invalid (TRL's or transformers' own checks)
-        print(f"safe-trainers check: `{ns.config}` is not a valid {ns.trainer} config: {error}", file=sys.stderr)
+        problems.append(str(error))
+    if problems:
+        detail = " ".join(problems)
+        print(f"safe-trainers check: `{ns.config}` is not a valid {ns.trainer} config for the target: {detail}",
+              file=sys.stderr)  # fmt: skip
         return 2
     if not (training_args.fp16 or training_args.bf16):
         # What `accelerate launch --config_file` would give the run; the lint is for the launch described by the
         # options, not for this shell (transformers read `ACCELERATE_MIXED_PRECISION` from it while parsing).
-        training_args.mixed_precision = launcher_precision or "no"
+        training_args.mixed_precision = str(launcher_precision).lower() if launcher_precision else "no"
     model, training_args, peft_config = model_and_peft(ns.trainer, model_args, training_args)
-    setup = build_setup(ns.trainer, training_args, model, peft_config=peft_config, hardware=hardware)
+    setup = build_setup(
+        ns.trainer, training_args, model, peft_config=peft_config, hardware=hardware, explicit_args=explicit
+    )
     settings = SafetyArguments.from_config(training_args)
     enabled, disabled = select_rules(ns.trainer, settings)
     report = new_report(ns.trainer, settings, disabled)
-    report.hardware = hardware.source
+    report.hardware = f"{hardware.source}; {launch.describe()}"
     if settings.safety_mode != "off":
         try:
             run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
@@ -178,7 +199,7 @@ def run(ns: argparse.Namespace) -> int:
         "note: rules that need the loaded model or the tokenized data (`data.no_loss_tokens`, the reward head "
         "check, `tokens.untrained_embeddings`, `precision.fp32_trainable_params`) run when the trainer is built."
     )
-    findings = [f for f in report.findings if f.action != "skipped"]
+    findings = report.user_findings
     blocked = [f for f in findings if f.action == "blocked"]
     if blocked:
         print(f"{len(blocked)} finding(s) would stop construction in every safety mode.", file=sys.stderr)

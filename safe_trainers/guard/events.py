@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-EventKind = Literal["skip", "overflow", "rollback", "abort", "reward", "save_refused"]
+EventKind = Literal["skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore"]
 EVENTS_FILE = "nan_events.jsonl"
 
 
@@ -22,7 +22,8 @@ class NanEvent:
         kind (`str`): `"skip"` (an update was not applied), `"overflow"` (the fp16 loss scaler skipped a step and
             lowered its scale: not a fault), `"rollback"` (the last good state was restored),
             `"abort"` (training stopped with [`TrainingDivergedError`]), `"reward"` (GRPO rewards were non-finite),
-            `"save_refused"` (a checkpoint was not written because the state was non-finite).
+            `"save_refused"` (a checkpoint was not written because the state was non-finite), `"restore"` (after
+            training ended, the last good state was put back over a state damaged after the last check).
         nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
             `"rewards"`, `"advantages"`.
         ranks (`list[int]`): the ranks where the loss was non-finite (all ranks see a non-finite gradient norm).

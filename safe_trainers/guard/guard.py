@@ -30,7 +30,7 @@ from .events import EventLog, NanEvent
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
 from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, unexplained_overflows
-from .recovery import abort, record_overflows, record_skips, refuse_save, roll_back
+from .recovery import abort, record_overflows, record_skips, refuse_save, restore_at_end, roll_back
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 
@@ -200,6 +200,7 @@ class NanGuard:
         """
         trainer = self.trainer
         step = trainer.state.global_step
+        self.verified_step = -1  # callbacks after the guard's may have changed the state since it was last verified
         self._refresh_best_fields()
         snapshot_due = step % self.settings.nan_snapshot_steps == 0
         publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
@@ -212,10 +213,20 @@ class NanGuard:
         return verdict
 
     def before_publishing(self, control: Any) -> None:
-        """Right before the Trainer evaluates or saves: verify the state if no inspection did at this step (a
-        callback that runs after the guard's may have asked for the save or evaluation)."""
-        if (control.should_save or control.should_evaluate) and self.verified_step != self.trainer.state.global_step:
+        """Right before the Trainer evaluates or saves: verify the state afresh (a callback that runs after the
+        guard's may have asked for the save or evaluation, or changed the weights since the guard's check)."""
+        if control.should_save or control.should_evaluate:
+            self.verified_step = -1
             self.inspect(control, verify=True)
+
+    def finish(self) -> None:
+        """When `train()` returns, after every callback of the last step and of `on_train_end`: verify once more
+        (every rank) and put the last good state back if something damaged it after the last check."""
+        if self.snapshotter is None:
+            return
+        self.verified_step = -1
+        if not self.state_is_finite():
+            restore_at_end(self)
 
     def before_generation(self) -> None:
         """GRPO/RLOO, before sampling a generation batch: judge the pending steps and verify the state now (not from

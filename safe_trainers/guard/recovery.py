@@ -70,10 +70,39 @@ def roll_back(guard: NanGuard, verdict: Verdict, records: list[StepRecord], diag
         detail["first_nonfinite_module"] = diagnosis
     ranks = sorted({rank for r in bad for rank in r.bad_ranks} | set(guard.damaged_ranks))
     guard.events.add(NanEvent(current, "rollback", what, ranks, detail))
+    discarded = (
+        f"the updates of steps {restored + 1}-{current} are discarded, their batches are not replayed"
+        if current > restored
+        else "no update is discarded (the state was damaged after the step was verified)"
+    )
     logger.warning(
         f"NaN guard: restored the weights and optimizer state of step {restored} at step {current} "
-        f"({verdict.rollback}); the updates of steps {restored + 1}-{current} are discarded, their batches are not "
-        f"replayed, and the learning rate is now {lr:.3g}. Training goes on from step {current}."
+        f"({verdict.rollback}); {discarded}, and the learning rate is now {lr:.3g}. Training goes on from step "
+        f"{current}."
+    )
+
+
+def restore_at_end(guard: NanGuard) -> None:
+    """When training has ended with a state damaged after the guard's last check (a callback later in the list, at
+    the last `on_step_end` or at `on_train_end`): put back the last good state, so that `save_model()` writes a finite
+    model. The best checkpoint when `load_best_model_at_end` loaded one (it is what the run ends with), else the
+    last snapshot. No backoff and no counter: training is over. Records a `restore` event."""
+    trainer = guard.trainer
+    step, damaged = trainer.state.global_step, list(guard.damaged_ranks)
+    best = trainer.state.best_model_checkpoint
+    if trainer.args.load_best_model_at_end and best and os.path.isdir(best):
+        trainer._load_best_model()
+        detail = {"restored_from": best, "restored_step": trainer.state.best_global_step}
+    else:
+        snap = guard.snapshotter.restore(trainer.state)
+        detail = {"restored_from": "snapshot", "restored_step": snap.step}
+    guard.verified_step = step
+    detail["reason"] = "damaged_after_last_check"
+    guard.events.add(NanEvent(step, "restore", ["weights_or_optimizer_state"], damaged, detail))
+    logger.warning(
+        f"NaN guard: the weights or optimizer state became non-finite after the last check of step {step} (a "
+        f"callback after the guard's?); restored the last good state ({detail['restored_from']}, step "
+        f"{detail['restored_step']}) so the final model is finite."
     )
 
 

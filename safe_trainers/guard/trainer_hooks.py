@@ -58,6 +58,8 @@ class NanGuardTrainerMixin:
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
         )
+        if guard is not None:
+            guard.finish()
         if guard is not None and "train_loss" in output.metrics:
             output = output._replace(training_loss=output.metrics["train_loss"])  # as logged (see `log`)
         return output

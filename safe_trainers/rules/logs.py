@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..report import Change, Finding
 from .base import Rule
 
@@ -14,8 +16,10 @@ class ShowNonFinite(Rule):
     def check(self, setup) -> Finding | None:
         if not getattr(setup.args, "logging_nan_inf_filter", False):
             return None
-        return self.fixed(
+        finding = self.fixed(
             "`logging_nan_inf_filter=True` replaces a NaN or Inf loss by the recent average (often 0.0) in the logs, "
             "hiding a diverged run. NaN losses are now logged as NaN.",
             Change("args.logging_nan_inf_filter", True, False),
         )
+        # transformers' default: changed for everyone, so it says nothing about the user's config.
+        return replace(finding, library_default=not setup.user_set("logging_nan_inf_filter"))

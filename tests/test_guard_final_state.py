@@ -1,0 +1,83 @@
+"""`train()` then `save_model()` always writes a finite model (issue 12, item 10), and a save or evaluation never sees
+a state damaged after the guard's check: a callback later in the list than the guard's (weight averaging, a user's
+own hook) can change the weights after the guard verified them, at `on_step_end` or at `on_train_end`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from guard_utils import checkpoint_steps, guarded_trainer, nonfinite_in_checkpoints, weights_finite
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from safe_trainers.guard import read_events
+
+
+class DamageAfterTheGuard(TrainerCallback):
+    """Writes NaN into one weight at `on_step_end` of step `step`, or at `on_train_end` (`step=None`)."""
+
+    def __init__(self, step: int | None):
+        self.step = step
+
+    @staticmethod
+    def damage(model) -> None:
+        with torch.no_grad():
+            next(p for p in model.parameters() if p.requires_grad).view(-1)[0] = float("nan")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            self.damage(model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.step is None:
+            self.damage(model)
+
+
+def saved_model_is_finite(path: str) -> bool:
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize(
+    "when,kind",
+    # At the last `on_step_end` the epoch-end boundary (still inside the training loop) verifies afresh and rolls back;
+    # at `on_train_end` only the check when `train()` returns can see it.
+    [(6, "rollback"), (None, "restore")],
+    ids=["last_on_step_end", "on_train_end"],
+)
+def test_damage_after_the_last_check_is_restored_before_train_returns(toy_models, tmp_path, when, kind):
+    # No save at the end (a save verifies afresh first: see the next test).
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=6, save_strategy="no")
+    trainer.add_callback(DamageAfterTheGuard(when))  # appended: runs after the guard's callback
+    trainer.train()
+    assert weights_finite(trainer) and trainer.state.global_step == 6
+    trainer.save_model(str(tmp_path / "final"))  # raised `NonFiniteWeightsError` before
+    assert saved_model_is_finite(str(tmp_path / "final"))
+    (event,) = [e for e in read_events(str(tmp_path)) if e["kind"] in ("rollback", "restore")]
+    assert (event["kind"], event["step"], event["restored_step"]) == (kind, 6, 6)
+    assert "weights_or_optimizer_state" in event["nonfinite"]
+    if kind == "restore":
+        assert event["reason"] == "damaged_after_last_check" and event["restored_from"] == "snapshot"
+
+
+def test_a_save_after_a_later_callbacks_damage_sees_the_restored_state(toy_models, tmp_path):
+    # Damage at `on_step_end` of step 4, after the guard verified step 4 and before checkpoint-4 is written: the save
+    # verifies afresh, so the damage is rolled back (to the snapshot of step 4) instead of reaching the checkpoint.
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=6, save_steps=4)
+    trainer.add_callback(DamageAfterTheGuard(4))
+    trainer.train()
+    assert checkpoint_steps(str(tmp_path)) == [4, 6] and not nonfinite_in_checkpoints(str(tmp_path))
+    (rollback,) = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
+    assert (rollback["step"], rollback["restored_step"], rollback["reason"]) == (4, 4, "nonfinite_state")
+    assert weights_finite(trainer) and trainer.state.global_step == 6
+
+
+def test_the_end_check_leaves_a_healthy_run_alone(toy_models, tmp_path):
+    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=4, save_steps=4)
+    trainer.train()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.nan_guard.finish()  # what `train()` did at its end: no event, no change
+    assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert not [e for e in read_events(str(tmp_path)) if e["kind"] == "restore"]
