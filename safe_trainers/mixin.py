@@ -70,6 +70,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         settings = SafetyArguments.from_config(setup.args)
         enabled, disabled = select_rules(self._safety_kind, settings)
         report = new_report(self._safety_kind, settings, disabled)
+        report.notes += setup.assumptions
         if settings.safety_mode != "off":
             setup = run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
         source = setup.train_dataset

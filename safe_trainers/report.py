@@ -134,6 +134,8 @@ class SafetyReport:
             How the reader switches rules off (config fields, or the OpenRLHF shim's flags).
         hardware (`str | None`):
             The hardware the rules assumed, when it is not the machine the report is made on (`safe-trainers check`).
+        notes (`list[str]`):
+            Other assumptions the rules made, e.g. a model family inferred from the model's name.
     """
 
     trainer: str
@@ -141,6 +143,7 @@ class SafetyReport:
     findings: list[Finding] = field(default_factory=list)
     opt_out: OptOut = field(default=TRAINER_OPT_OUT, compare=False)
     hardware: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def by_rule(self, rule_id: str) -> list[Finding]:
         return [f for f in self.findings if f.rule_id == rule_id]
@@ -161,6 +164,7 @@ class SafetyReport:
         counts = {a: sum(f.action == a for f in own) for a in ("fixed", "warned", "blocked", "skipped")}
         counts["library default changed"] = len(defaults)
         assumed = [f"  hardware assumed: {self.hardware}"] if self.hardware else []
+        assumed += [f"  note: {note}" for note in self.notes]
         if self.mode == "off":
             return f"safe_trainers ({self.trainer}): safety rules are off ({self.opt_out.set_mode('off')})."
         if not self.findings:
@@ -179,6 +183,8 @@ class SafetyReport:
         data = {"trainer": self.trainer, "mode": self.mode, "findings": [f.to_dict() for f in self.findings]}
         if self.hardware:
             data["hardware"] = self.hardware
+        if self.notes:
+            data["notes"] = list(self.notes)
         return data
 
     def write_json(self, output_dir: str, filename: str = "safety_report.json") -> str:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .families import family_from_name
 from .hardware import Hardware
 
 from .kinds import TRAINER_KINDS, get_kind  # noqa: F401 (`TRAINER_KINDS` re-exported)
@@ -51,6 +52,9 @@ class TrainerSetup:
         tokenizer (`PreTrainedTokenizerBase | ProcessorMixin | None`):
             The `processing_class` passed, else the tokenizer TRL will load from the model's directory (no weights);
             `None` if it cannot be read.
+        inferred_family (`str | None`):
+            The `model_type` recognised from the model's name when its `config.json` could not be read (a Hub id
+            linted offline): `model_config` is then that family's default config, and the report says so.
         explicit_args (`frozenset[str] | None`):
             The config fields the user set, when that is known (`safe-trainers check` reads them from the YAML file
             and the overrides); `None` for a config object, see [`~TrainerSetup.user_set`].
@@ -67,7 +71,18 @@ class TrainerSetup:
     deepspeed_config: dict | None = None
     hardware: Hardware = field(default_factory=Hardware)
     tokenizer: Any = None
+    inferred_family: str | None = None
     explicit_args: frozenset[str] | None = None
+
+    @property
+    def assumptions(self) -> list[str]:
+        """What the rules assumed about the model, for the report (empty when everything was read)."""
+        if self.inferred_family is None:
+            return []
+        return [
+            f"`{self.model_name}` is a `{self.inferred_family}` model, inferred from the name: its `config.json` could "
+            "not be read, so the rules used that family's default config."
+        ]
 
     def user_set(self, name: str) -> bool:
         """Whether the user set config field `name` rather than leaving the library default.
@@ -147,6 +162,20 @@ def read_model_config(model: Any, trust_remote_code: bool = False, revision: str
         return None
 
 
+def config_from_name(model: Any) -> tuple[Any, str | None]:
+    """For a model path or id whose `config.json` cannot be read: the default config of the family its name says
+    (see [`~safe_trainers.families.family_from_name`]) and that family, or `(None, None)`."""
+    family = family_from_name(model) if isinstance(model, str) else None
+    if family is None:
+        return None, None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(family), family
+    except ValueError:  # a family the installed transformers does not know
+        return None, None
+
+
 def resolve_model_class(kind: str, model: Any, model_config: Any) -> type | None:
     """The class a trainer of this kind instantiates for `model` (its own class for an instance)."""
     if model is not None and not isinstance(model, str):
@@ -193,6 +222,9 @@ def build_setup(
     trust_remote_code = getattr(args, "trust_remote_code", False)
     revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
     model_config = read_model_config(model, trust_remote_code=trust_remote_code, revision=revision)
+    inferred_family = None
+    if model_config is None:
+        model_config, inferred_family = config_from_name(model)
     tokenizer = processing_class
     if tokenizer is None and kind in TOKENIZER_KINDS:
         tokenizer = read_tokenizer(model, model_config, trust_remote_code=trust_remote_code, revision=revision)
@@ -208,6 +240,7 @@ def build_setup(
         deepspeed_config=load_deepspeed_config(getattr(args, "deepspeed", None)),
         hardware=hardware or Hardware.detect(),
         tokenizer=tokenizer,
+        inferred_family=inferred_family,
         explicit_args=explicit_args,
     )
 

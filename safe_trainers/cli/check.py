@@ -187,13 +187,17 @@ def run(ns: argparse.Namespace) -> int:
     enabled, disabled = select_rules(ns.trainer, settings)
     report = new_report(ns.trainer, settings, disabled)
     report.hardware = f"{hardware.source}; {launch.describe()}"
+    report.notes += setup.assumptions
     if settings.safety_mode != "off":
         try:
             run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
         except SafetyError as error:
             report.findings.extend(error.findings)
     if setup.model_config is None and model:
-        print(f"note: could not read `config.json` for `{model}`; model-specific rules were not checked.")
+        print(
+            f"note: could not read `config.json` for `{model}` and its name says no known family; model-specific "
+            "rules were not checked."
+        )
     print(report.render())
     print(
         "note: rules that need the loaded model or the tokenized data (`data.no_loss_tokens`, the reward head "

@@ -1,18 +1,19 @@
 """What the rules need to know about the models of a command: family and attention soft-capping.
 
 A local checkpoint directory is read through its `config.json` (no transformers import, no network); a Hub id or a
-path that does not exist here is recognised from its name ("Qwen/Qwen2-7B" -> `qwen2`, "google/gemma-2-2b-it" ->
-`gemma2`).
+path that does not exist here is recognised from its name by the package's one family table (`safe_trainers.families`:
+"Qwen/Qwen2-7B" -> `qwen2`, "google/gemma-2-2b-it" -> `gemma2`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from ..families import family_from_name
 
 
 # Qwen2-architecture model types (Qwen1.5, Qwen2, Qwen2.5, QwQ and the R1 distills all use `qwen2`).
@@ -21,27 +22,6 @@ QWEN2_FAMILY = frozenset(
 )
 # transformers' `Gemma2Config.attn_logit_softcapping` default: a saved config may leave it out.
 DEFAULT_SOFTCAP = {"gemma2": 50.0}
-
-# (pattern on one path component, model_type), first match wins. Lookaheads keep Gemma-1 "gemma-2b" out of Gemma-2.
-_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
-    (r"gemma[-_ ]?4", "gemma4"),
-    (r"gemma[-_ ]?3n", "gemma3n"),
-    (r"gemma[-_ ]?3(?![\d.]*b)", "gemma3"),
-    (r"gemma[-_ ]?2(?![\d.]*b)", "gemma2"),
-    (r"gemma", "gemma"),
-    (r"qwen[-_ ]?3[._]5", "qwen3_5"),
-    (r"qwen[-_ ]?3.*-a\d+(\.\d+)?b", "qwen3_moe"),
-    (r"qwen[-_ ]?3", "qwen3"),
-    (r"qwen[-_ ]?2[._]5[-_ ]?vl", "qwen2_5_vl"),
-    (r"qwen[-_ ]?2[-_ ]?vl", "qwen2_vl"),
-    (r"qwen[-_ ]?(2|1[._]5).*(moe|-a\d+(\.\d+)?b)", "qwen2_moe"),
-    (r"qwen[-_ ]?(2|1[._]5)|qwq|distill-qwen", "qwen2"),
-    (r"gpt[-_]?oss", "gpt_oss"),
-    (r"mixtral", "mixtral"),
-    (r"mistral", "mistral"),
-    (r"llama", "llama"),
-)
-
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -71,15 +51,6 @@ class ModelInfo:
         kind = self.model_type or "unknown family"
         where = {"config": "config.json", "name": "from its name"}.get(self.source, "not recognised")
         return f"`{self.path}` ({kind}, {where})"
-
-
-def family_from_name(name: str) -> str | None:
-    """The `model_type` a Hub id or path most likely has, from its last recognisable path component."""
-    for part in reversed([p for p in re.split(r"[\\/]", name.lower()) if p]):
-        for pattern, model_type in _NAME_PATTERNS:
-            if re.search(pattern, part):
-                return model_type
-    return None
 
 
 def info_from_config(flag: str, path: str, config: dict[str, Any]) -> ModelInfo:
@@ -121,4 +92,4 @@ def inspect_model(
     return ModelInfo(flag, path, model_type, None, DEFAULT_SOFTCAP.get(model_type), "name")
 
 
-__all__ = ["ModelInfo", "QWEN2_FAMILY", "family_from_name", "info_from_config", "inspect_model", "read_config"]
+__all__ = ["ModelInfo", "QWEN2_FAMILY", "info_from_config", "inspect_model", "read_config"]
