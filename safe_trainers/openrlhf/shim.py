@@ -78,13 +78,22 @@ def launch(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, returncode)
 
 
-def local_bf16_support() -> bool | None:
-    """Whether this machine's GPU supports bf16 (`None` when there is no CUDA GPU here to ask, e.g. a Ray head)."""
+def local_bf16_support(query: Callable[..., Any] = subprocess.run) -> bool | None:
+    """Whether this machine's GPUs support bf16 (compute capability 8.0 or more), asked of `nvidia-smi` so that the
+    shim never imports torch; `None` when there is no NVIDIA GPU here to ask (e.g. a Ray head) or no answer."""
     try:
-        import torch
-    except ImportError:
+        done = query(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
         return None
-    return bool(torch.cuda.is_bf16_supported()) if torch.cuda.is_available() else None
+    capabilities = [line.strip() for line in (done.stdout or "").splitlines() if line.strip()]
+    if done.returncode != 0 or not capabilities:
+        return None
+    try:
+        return all(tuple(int(x) for x in cap.split(".")) >= (8, 0) for cap in capabilities)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

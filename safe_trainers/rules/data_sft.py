@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 
 def loss_token_counts(dataset: Any) -> list[int] | None:
@@ -34,6 +33,8 @@ def loss_token_counts(dataset: Any) -> list[int] | None:
         return pc.fill_null(pc.list_value_length(scored), 0).to_pylist()
     parents = pc.list_parent_indices(scored).to_numpy(zero_copy_only=False)
     kept = pc.not_equal(pc.list_flatten(scored), -100).to_numpy(zero_copy_only=False)
+    import numpy as np
+
     return np.bincount(parents[kept], minlength=len(values)).tolist()
 
 

@@ -3,7 +3,6 @@ no trainable parameter left in fp16."""
 
 from __future__ import annotations
 
-import torch
 
 from ..report import REMOVED, Change, Finding
 from .base import BuiltTrainer, Rule
@@ -23,15 +22,14 @@ DTYPE_NAMES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
     "float32": "float32", "fp32": "float32", "float": "float32", "torch.float32": "float32",
 }  # fmt: skip
-TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # TRL loads a model path in float32 when `model_init_kwargs` names no dtype (`trl.trainer.utils.create_model_from_path`).
 TRL_DEFAULT_LOAD_DTYPE = "float32"
 
 
 def dtype_name(value: object) -> str | None:
     """`"float16"`, `"bfloat16"`, `"float32"`, `"auto"` for a dtype as `from_pretrained` accepts it; `None` otherwise."""
-    if isinstance(value, torch.dtype):
-        return TORCH_DTYPE_NAMES.get(value)
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":  # no torch import: `str` is "torch.x"
+        value = str(value)
     if isinstance(value, str):
         return "auto" if value == "auto" else DTYPE_NAMES.get(value.lower())
     return None
@@ -83,7 +81,7 @@ def parameter_dtypes(model) -> set[str]:
     """The floating dtypes of a model instance's parameters, as names (`set()` for a path or no model)."""
     if model is None or isinstance(model, str) or not hasattr(model, "parameters"):
         return set()
-    return {TORCH_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in model.parameters() if p.is_floating_point()}
+    return {dtype_name(p.dtype) or str(p.dtype) for p in model.parameters() if p.is_floating_point()}
 
 
 def launcher_precision(args) -> str | None:
@@ -193,4 +191,4 @@ class Fp32TrainableParams(Rule):
 
 
 def fp16_trainable_parameters(model) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+    return [n for n, p in model.named_parameters() if p.requires_grad and dtype_name(p.dtype) == "float16"]

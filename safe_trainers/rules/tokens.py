@@ -4,11 +4,13 @@ special tokens must be trained (not near zero)."""
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..report import Change, Finding
 from .base import BuiltTrainer, Rule
+
+if TYPE_CHECKING:
+    import torch
 
 
 PAD_LIKE = re.compile(r"pad", re.IGNORECASE)
@@ -92,6 +94,8 @@ def near_zero_rows(weight: torch.Tensor, ids: list[int], ratio: float = UNTRAINE
     ids = [i for i in ids if 0 <= i < weight.shape[0]]
     if not ids:
         return []
+    import torch
+
     with torch.no_grad():
         step = max(1, weight.shape[0] // NORM_SAMPLE_ROWS)
         reference = weight[::step].float().norm(dim=1).median()
@@ -103,6 +107,8 @@ def near_zero_rows(weight: torch.Tensor, ids: list[int], ratio: float = UNTRAINE
 
 def embedding_matrices(model) -> dict[str, torch.Tensor]:
     """`{"input": ..., "output": ...}` embedding weights; the output one only when it is not tied to the input."""
+    import torch
+
     matrices = {"input": model.get_input_embeddings().weight}
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(output, "weight", None)
@@ -113,6 +119,8 @@ def embedding_matrices(model) -> dict[str, torch.Tensor]:
 
 def set_rows_to_mean(weight: torch.Tensor, rows: list[int], ratio: float = UNTRAINED_NORM_RATIO) -> None:
     """Set `rows` of an embedding matrix to the mean of its trained rows (those not near zero). An action."""
+    import torch
+
     with torch.no_grad():
         norms = weight.float().norm(dim=1)
         trained = norms > ratio * norms.median()
