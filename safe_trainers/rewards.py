@@ -62,9 +62,42 @@ format = make_format_reward()  # noqa: A001 - the reward's public name, as selec
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {"count_words": count_words, "length": length, "format": format}
 
+# TRL's reward functions under the names TRL's own GRPO/RLOO scripts take (`trl/scripts/grpo.py`), with the arguments
+# those scripts give a factory: `(attribute of trl.rewards, factory keyword arguments or None)`.
+TRL_REWARDS: dict[str, tuple[str, dict[str, Any] | None]] = {
+    "accuracy_reward": ("accuracy_reward", None),
+    "reasoning_accuracy_reward": ("reasoning_accuracy_reward", None),
+    "think_format_reward": ("think_format_reward", None),
+    "get_soft_overlong_punishment": (
+        "get_soft_overlong_punishment", {"max_completion_len": 1280, "soft_punish_cache": 256}
+    ),
+}  # fmt: skip
+
+
+def reward_name_problem(name: str) -> str | None:
+    """Why `name` cannot select a reward function, judged from its form alone (no import), or `None`. Shared by the
+    launch scripts and `safe-trainers check`, so that what `check` accepts the scripts run."""
+    if name in BUILTIN_REWARDS or name in TRL_REWARDS or ":" in name or "." in name or os.path.isdir(name):
+        return None
+    return (
+        f"Unknown reward function {name!r} in `reward_funcs`. Use a built-in name ({', '.join(BUILTIN_REWARDS)}), one "
+        f"of TRL's ({', '.join(TRL_REWARDS)}), or a `module:function` path to your own function, e.g. "
+        "`--reward_funcs my_rewards:exact_match`."
+    )
+
+
+def trl_reward(name: str) -> RewardFunc:
+    """TRL's reward function `name` (see `TRL_REWARDS`), built as TRL's scripts build it."""
+    import trl.rewards
+
+    attribute, factory_kwargs = TRL_REWARDS[name]
+    func = getattr(trl.rewards, attribute)
+    return func(**factory_kwargs) if factory_kwargs is not None else func
+
 
 def load_reward_func(name: str) -> RewardFunc:
-    """The reward function selected by `name`: a built-in name (see `BUILTIN_REWARDS`) or a `module:function` path.
+    """The reward function selected by `name`: a built-in name (see `BUILTIN_REWARDS`), one of TRL's names (see
+    `TRL_REWARDS`), or a `module:function` path.
 
     A dotted `module.function` path is accepted too, as TRL's scripts do. The current directory is searched after the
     usual import path, so a `my_rewards.py` next to where the job is launched is found.
@@ -74,15 +107,12 @@ def load_reward_func(name: str) -> RewardFunc:
     """
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
-    if ":" in name:
-        module_name, _, attribute = name.partition(":")
-    elif "." in name:
-        module_name, _, attribute = name.rpartition(".")
-    else:
-        raise ValueError(
-            f"Unknown reward function {name!r} in `reward_funcs`. Use a built-in name ({', '.join(BUILTIN_REWARDS)}) "
-            "or a `module:function` path to your own function, e.g. `--reward_funcs my_rewards:exact_match`."
-        )
+    if name in TRL_REWARDS:
+        return trl_reward(name)
+    problem = reward_name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    module_name, _, attribute = name.partition(":") if ":" in name else name.rpartition(".")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
@@ -107,13 +137,14 @@ def load_reward_funcs(names: list[str]) -> list[RewardFunc | str]:
     if not names:
         raise ValueError(
             "`reward_funcs` is empty: GRPO needs at least one reward. Use a built-in name "
-            f"({', '.join(BUILTIN_REWARDS)}) or a `module:function` path."
+            f"({', '.join(BUILTIN_REWARDS)}), one of TRL's ({', '.join(TRL_REWARDS)}) or a `module:function` path."
         )
     return [name if os.path.isdir(name) else load_reward_func(name) for name in names]
 
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "TRL_REWARDS",
     "completion_text",
     "count_words",
     "format",
@@ -121,4 +152,6 @@ __all__ = [
     "load_reward_func",
     "load_reward_funcs",
     "make_format_reward",
+    "reward_name_problem",
+    "trl_reward",
 ]

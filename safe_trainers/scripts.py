@@ -23,7 +23,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from . import toy
 from .kinds import TrainerKind, get_kind
-from .rewards import BUILTIN_REWARDS, load_reward_funcs
+from .rewards import BUILTIN_REWARDS, TRL_REWARDS, load_reward_funcs
 
 
 if TYPE_CHECKING:
@@ -37,21 +37,24 @@ DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 @dataclass
-class ScriptArguments(trl.ScriptArguments):
+class ScriptArguments(trl.ScriptArguments, trl.DatasetMixtureConfig):
     """
-    [`~trl.ScriptArguments`] plus the arguments the GRPO and RLOO scripts need.
+    [`~trl.ScriptArguments`] and [`~trl.DatasetMixtureConfig`] (a `datasets:` list in the YAML, as TRL's own scripts
+    take it), plus the arguments the GRPO and RLOO scripts need.
 
     Args:
         reward_funcs (`list[str]`, *optional*, defaults to `["count_words"]`):
             GRPO and RLOO reward functions: built-in names (`count_words`, `length`, `format`, see
-            `safe_trainers.rewards`), `module:function` paths to your own functions, or local reward-model directories.
+            `safe_trainers.rewards`), TRL's reward names (`accuracy_reward`, `think_format_reward`, ...), `module:function`
+            or dotted paths to your own functions, or local reward-model directories.
     """
 
     reward_funcs: list[str] = field(
         default_factory=lambda: ["count_words"],
         metadata={
-            "help": f"GRPO and RLOO reward functions: built-in names ({', '.join(BUILTIN_REWARDS)}), "
-            "`module:function` paths to your own functions, or local reward-model directories."
+            "help": f"GRPO and RLOO reward functions: built-in names ({', '.join(BUILTIN_REWARDS)}), TRL's reward "
+            f"names ({', '.join(TRL_REWARDS)}), `module:function` paths to your own functions, or local reward-model "
+            "directories."
         },
     )
 
@@ -140,8 +143,11 @@ def model_and_peft(kind: str, model_args: ModelConfig, training_args: Any) -> tu
 def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
     """One split of the dataset named by `script_args.dataset_name`: a hub id (`datasets.load_dataset`), a local JSON,
     JSONL or Parquet file (its rows form split `split`), a `save_to_disk` folder, or any folder `load_dataset` reads.
-    With no `dataset_name`, the deterministic toy dataset for `kind`."""
+    A `datasets:` mixture ([`~trl.DatasetMixtureConfig`]) wins over `dataset_name`, as in TRL's scripts. With neither,
+    the deterministic toy dataset for `kind`."""
     get_kind(kind)
+    if script_args.datasets:  # a `datasets:` mixture, loaded as TRL's scripts load it
+        return _mixture_split(script_args, split)
     name = script_args.dataset_name
     if not name:
         return toy.dataset_for(kind)
@@ -166,6 +172,16 @@ def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
     return load_dataset(name, name=script_args.dataset_config, split=split, streaming=script_args.dataset_streaming)
 
 
+def _mixture_split(script_args: ScriptArguments, split: str) -> Dataset:
+    mixture = trl.get_dataset(script_args)
+    if split not in mixture:
+        raise ValueError(
+            f"The `datasets` mixture has no split {split!r}; its splits are {list(mixture)}. Set `dataset_train_split` "
+            "(or `dataset_test_split`) to one of them, or `test_split_size` to split off a test set."
+        )
+    return mixture[split]
+
+
 def load_train_dataset(kind: str, script_args: ScriptArguments) -> Dataset:
     """The training split (`script_args.dataset_train_split`); see [`load_split`] for the accepted sources."""
     return load_split(kind, script_args, script_args.dataset_train_split)
@@ -185,7 +201,7 @@ def use_toy_defaults(kind: str, script_args: ScriptArguments, model_args: ModelC
         ValueError: when exactly one of `model_name_or_path` and `dataset_name` is set (a real model on toy data, or
             real data on a random toy model, is almost always a forgotten flag).
     """
-    has_model, has_data = bool(model_args.model_name_or_path), bool(script_args.dataset_name)
+    has_model, has_data = bool(model_args.model_name_or_path), bool(script_args.dataset_name or script_args.datasets)
     if has_model and has_data:
         return False
     if has_model != has_data:

@@ -138,6 +138,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..engine import new_report, run_stage, select_rules
     from ..errors import SafetyError
     from ..kinds import get_kind
+    from ..rewards import reward_name_problem
     from ..scripts import has_accelerator, model_and_peft, parse_args
     from ..setup import build_setup
     from . import target
@@ -165,11 +166,14 @@ def run(ns: argparse.Namespace) -> int:
     problems = target.target_problems(target_values, hardware)
     try:
         with target.config_file(config) as path:
-            _, training_args, model_args = parse_args(
+            script_args, training_args, model_args = parse_args(
                 ns.trainer, ["--config", path, *overrides], announce_cpu=False, config_class=config_class
             )
     except (ValueError, OSError) as error:  # the config itself is invalid (TRL's or transformers' own checks)
         problems.append(str(error))
+    else:
+        if get_kind(ns.trainer).online:  # the launch scripts load them: a name they would refuse is refused here
+            problems += [p for p in map(reward_name_problem, script_args.reward_funcs) if p is not None]
     if problems:
         detail = " ".join(problems)
         print(f"safe-trainers check: `{ns.config}` is not a valid {ns.trainer} config for the target: {detail}",
