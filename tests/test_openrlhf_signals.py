@@ -52,7 +52,7 @@ def test_signal_to_the_shim_reaches_the_launcher_and_its_workers(tmp_path, signu
     script.write_text(textwrap.dedent(LAUNCHER.format(pids=str(pids_file))))
     shim = subprocess.Popen(
         [sys.executable, "-m", "safe_trainers.cli.main", "openrlhf", "--",
-         sys.executable, str(script), "--pretrain", "google/gemma-2-2b-it", "--max_norm", "0"],
+         sys.executable, str(script), "--pretrain", "Qwen/Qwen2-0.5B", "--max_norm", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,  # no terminal signals from pytest
     )  # fmt: skip
     launcher = worker = None

@@ -13,7 +13,7 @@ Every OpenRLHF parser is a plain `argparse.ArgumentParser()` with `allow_abbrev=
 works as the flag (`--ds.param fp16` is `--ds.param_dtype fp16`) and an ambiguous one is an error. `ABBREVIATIONS`
 holds, for every flag the rules read, its shortest unique prefix in each generation and entry point, written
 `"<shortest prefix>|<rest>"`. It was computed from the argparse blocks of every tagged OpenRLHF release (v0.0.1 to
-v0.11.0) and the 0.11.2 wheel: within one generation the union of all releases' flags is used, so a prefix counts
+v0.11.0) and the 0.11.2 wheel (`serve_rm` and `batch_inference` from the `openrlhf.cli` releases that have them): within one generation the union of all releases' flags is used, so a prefix counts
 as unique only if it is unique in every release of that generation (otherwise it is left alone).
 """
 
@@ -39,9 +39,14 @@ LEGACY, ATTN_IMPL, PARAM_DTYPE, DOTTED = Generation
 GENERATIONS: tuple[Generation, ...] = (DOTTED, PARAM_DTYPE, ATTN_IMPL, LEGACY)
 FLAT = (LEGACY, ATTN_IMPL, PARAM_DTYPE)
 
-ENTRY_POINTS = (
+TRAINERS = (
     "train_sft", "train_rm", "train_dpo", "train_kto", "train_ppo", "train_ppo_ray", "train_prm", "train_kd",
 )  # fmt: skip
+# Entry points that load a model without training it: serving a reward model (remote RM pipelines) and batch
+# generation or scoring (rejection sampling, iterative DPO). Their models run through the same attention and precision
+# code as the trainers', so the same rules apply to them; the training rules find no flag of theirs to read.
+SERVING = ("serve_rm", "batch_inference")
+ENTRY_POINTS = TRAINERS + SERVING
 
 # fmt: off
 ABBREVIATIONS: dict[Generation, dict[str, str]] = {
@@ -55,6 +60,8 @@ ABBREVIATIONS: dict[Generation, dict[str, str]] = {
         "train_ppo_ray": "--bf|16 --fl|ash_attn --pac|king_samples --ring_a|ttn_size --use_dy|namic_batch --max_n|orm --pretrain| --reward_p|retrain --critic_p|retrain --n_|samples_per_prompt --adv|antage_estimator --te|mperature --micro_t|rain_batch_size",
         "train_prm": "--b|f16 --fl|ash_attn --pa|cking_samples --max_n|orm --pr|etrain --mi|cro_train_batch_size",
         "train_kd": "--bf|16 --fl|ash_attn --max_n|orm --pretrain| --mi|cro_train_batch_size",
+        "serve_rm": "--bf|16 --f|lash_attn --pa|cking_samples --r|eward_pretrain",
+        "batch_inference": "--bf|16 --fl|ash_attn --pre|train --te|mperature",
     },
     ATTN_IMPL: {
         "*": "--bf|16 --at|tn_implementation --pa|cking_samples --ring_a|ttn_size --use_dy|namic_batch --max_n|orm --pretrain| --ref_p|retrain --reward_p|retrain --critic_p|retrain --be|ta --n_|samples_per_prompt --adv|antage_estimator --tem|perature --micro_t|rain_batch_size",
@@ -65,6 +72,8 @@ ABBREVIATIONS: dict[Generation, dict[str, str]] = {
         "train_ppo_ray": "--b|f16 --at|tn_implementation --pa|cking_samples --ring_a|ttn_size --use_dy|namic_batch --max_n|orm --pre|train --reward_p|retrain --critic_p|retrain --n_|samples_per_prompt --adv|antage_estimator --te|mperature --micro_t|rain_batch_size",
         "train_prm": "--b|f16 --at|tn_implementation --pa|cking_samples --max_n|orm --pr|etrain --mi|cro_train_batch_size",
         "train_kd": "--b|f16 --at|tn_implementation --max_n|orm --pretrain| --mi|cro_train_batch_size",
+        "serve_rm": "--a|ttn_implementation --bf|16 --pa|cking_samples --r|eward_pretrain",
+        "batch_inference": "--at|tn_implementation --bf|16 --pre|train --te|mperature",
     },
     PARAM_DTYPE: {
         "*": "--at|tn_implementation --para|m_dtype --pac|king_samples --ring_a|ttn_size --use_dy|namic_batch --max_no|rm --pretrain| --ref_p|retrain --reward_p|retrain --critic_p|retrain --bet|a --n_|samples_per_prompt --adv|antage_estimator --tem|perature --micro_t|rain_batch_size",
@@ -75,6 +84,8 @@ ABBREVIATIONS: dict[Generation, dict[str, str]] = {
         "train_ppo_ray": "--at|tn_implementation --para|m_dtype --pac|king_samples --ring_a|ttn_size --use_dy|namic_batch --max_no|rm --pre|train --reward_p|retrain --critic_p|retrain --n_|samples_per_prompt --adv|antage_estimator --te|mperature --micro_t|rain_batch_size",
         "train_prm": "--at|tn_implementation --par|am_dtype --pac|king_samples --max_n|orm --pr|etrain --mi|cro_train_batch_size",
         "train_kd": "--at|tn_implementation --pa|ram_dtype --max_n|orm --pretrain| --mi|cro_train_batch_size",
+        "serve_rm": "--a|ttn_implementation --pac|king_samples --par|am_dtype --r|eward_pretrain",
+        "batch_inference": "--at|tn_implementation --pa|ram_dtype --pre|train --te|mperature",
     },
     DOTTED: {
         "*": "--ds.par|am_dtype --ds.at|tn_implementation --ds.pac|king_samples --ds.ring_attn_s|ize --train.d|ynamic_batch_enable --ma|x_norm --actor.ma|x_norm --critic.ma|x_norm --o|ptim --actor.o|ptim --critic.o|ptim --model.mo|del_name_or_path --ref.m|odel_name_or_path --actor.mo|del_name_or_path --reward.m|odel_name_or_path --critic.mo|del_name_or_path --model.b|eta --rollout.n|_samples_per_prompt --algo.advantage.e|stimator --rollout.te|mperature",
@@ -82,6 +93,7 @@ ABBREVIATIONS: dict[Generation, dict[str, str]] = {
         "train_rm": "--ds.par|am_dtype --ds.at|tn_implementation --ds.pac|king_samples --ds.ring_attn_s|ize --ma|x_norm --o|ptim --model.mo|del_name_or_path",
         "train_dpo": "--ds.par|am_dtype --ds.at|tn_implementation --ds.pac|king_samples --ds.ring_attn_s|ize --ma|x_norm --o|ptim --model.m|odel_name_or_path --ref.m|odel_name_or_path --model.b|eta",
         "train_ppo_ray": "--ds.par|am_dtype --ds.at|tn_implementation --ds.pac|king_samples --ds.ring_attn_s|ize --train.d|ynamic_batch_enable --actor.ma|x_norm --critic.ma|x_norm --actor.o|ptim --critic.o|ptim --actor.mo|del_name_or_path --reward.m|odel_name_or_path --critic.mo|del_name_or_path --rollout.n|_samples_per_prompt --algo.advantage.e|stimator --rollout.te|mperature",
+        "serve_rm": "--ds.a|ttn_implementation --ds.pac|king_samples --ds.par|am_dtype --reward.m|odel_name_or_path",
     },
 }
 # fmt: on
@@ -228,6 +240,8 @@ __all__ = [
     "Generation",
     "LEGACY",
     "PARAM_DTYPE",
+    "SERVING",
+    "TRAINERS",
     "flag_kind",
     "flags_for",
     "fits_dotted",

@@ -100,8 +100,8 @@ class Gemma2NoFlash(Rule):
         attn, packing, ring, dynamic = (view.flag(c) for c in ("attention", "packing", "ring", "dynamic_batch"))
         why = (
             f"{model.describe()} soft-caps its attention logits (`attn_logit_softcapping={model.softcap}`), and "
-            "flash attention gets soft-capped training wrong (NaN loss and gradients: OpenRLHF#528, "
-            "transformers#31997)"
+            "flash attention gets soft-capped attention wrong (NaN loss and gradients in training, wrong scores when "
+            "serving: OpenRLHF#528, transformers#31997)"
         )
         ring_size = view.number(ring, 1) if ring else 1
         if ring_size > 1:

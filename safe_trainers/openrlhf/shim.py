@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, TextIO
 
@@ -29,7 +29,7 @@ from ..rules.base import Rule
 from .command import (
     CommandError, CommandView, OpenRLHFCommand, apply_changes, detect_generations, model_paths, parse_command,
 )  # fmt: skip
-from .flags import Generation, generation_for_version
+from .flags import ENTRY_POINTS, Generation, generation_for_version
 from .models import ModelInfo, inspect_model, read_config
 from .rules import RULES, rule_ids
 
@@ -152,17 +152,39 @@ def _generations(command: OpenRLHFCommand, version: str | None, installed: str |
 
 
 def _merge(findings: list[Finding | None], generations: tuple[Generation, ...]) -> Finding | None:
-    """One finding from a rule run under each candidate generation: kept if they agree, else a warning."""
+    """One finding from a rule run under each candidate generation (pure).
+
+    Kept as is when they agree. Otherwise the fix valid in every candidate is applied: the changes common to all of
+    them (same flag, same values, so every candidate release accepts them). What one candidate needs beyond that would
+    be a flag another candidate rejects; since the command would train to NaN in that release, it is blocked, naming
+    the extra changes and `--openrlhf-version`. A warning in some candidates and nothing in others stays a warning.
+    """
     keys = [None if f is None else (f.action, f.changes) for f in findings]
     if all(key == keys[0] for key in keys):
         return findings[0]
-    first = next(f for f in findings if f is not None)
-    applies = " or ".join(str(g) for g, f in zip(generations, findings) if f is not None)
+    present = [(g, f) for g, f in zip(generations, findings) if f is not None]
+    first = present[0][1]
+    fits = " or ".join(str(g) for g in generations)
+    pin = "Pass `--openrlhf-version` (or install openrlhf) so that the rules use that release's flag names."
+    blocked = next((f for _, f in present if f.action == "blocked"), None)
+    if blocked is not None:
+        which = " or ".join(str(g) for g, f in present if f.action == "blocked")
+        return replace(blocked, message=f"{blocked.message} (In OpenRLHF {which}; the command's flags fit {fits}.) {pin}")
+    if all(f.action == "warned" for _, f in present):
+        return first
+    change_sets = [set(f.changes) if f is not None and f.action == "fixed" else set() for f in findings]
+    common = tuple(c for c in first.changes if all(c in changes for changes in change_sets))
+    extra = {g: [c for c in f.changes if c not in common] for g, f in present if f.action == "fixed"}
+    extra = {g: changes for g, changes in extra.items() if changes}
+    if not extra:
+        return replace(first, changes=common)
+    needs = "; ".join(f"OpenRLHF {g} needs {', '.join(c.render() for c in changes)}" for g, changes in extra.items())
+    applied = f" Valid in every candidate release: {', '.join(c.render() for c in common)}." if common else ""
     return Finding(
         first.rule_id,
-        "warned",
-        f"{first.message} Not applied: this holds for OpenRLHF {applies} only, and the command's flags fit "
-        f"{' or '.join(str(g) for g in generations)}. Pass `--openrlhf-version` (or install openrlhf) to apply it.",
+        "blocked",
+        f"{first.message} The command's flags fit OpenRLHF {fits}, and the fix differs between them: {needs}, a flag "
+        f"the other release(s) reject, and without it that release trains to NaN.{applied} {pin}",
     )
 
 
@@ -200,6 +222,9 @@ def plan(
         return Plan(argv, SafetyReport(trainer="openrlhf", mode=mode, opt_out=SHIM_OPT_OUT))
 
     command = parse_command(argv)
+    if command.entry not in ENTRY_POINTS:  # e.g. `openrlhf.cli.lora_combiner`: nothing the rules know to read
+        note = f"no rule applies to `{command.launcher[-1]}` (the rules know {', '.join(ENTRY_POINTS)}); run as given."
+        return Plan(argv, SafetyReport(trainer="openrlhf", mode=mode, opt_out=SHIM_OPT_OUT), notes=(note,))
     generations, source, notes = _generations(command, version, (installed or installed_openrlhf_version)())
     pairs = dict.fromkeys(pair for g in generations for pair in model_paths(CommandView(command, g)))
     models = tuple(inspect_model(flag, path, reader) for flag, path in pairs)
