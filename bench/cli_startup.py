@@ -62,7 +62,8 @@ def main() -> None:
     print(f"|{'-' * (width + 2)}|-------:|------:|------:|------:|")
     for name, times in results.items():
         median = statistics.median(times)
-        print(f"| {name:<{width}} | {median:6.2f} | {min(times):5.2f} | {max(times):5.2f} | {median / reference:5.2f} |")
+        cells = f"{median:6.2f} | {min(times):5.2f} | {max(times):5.2f} | {median / reference:5.2f}"
+        print(f"| {name:<{width}} | {cells} |")
 
 
 if __name__ == "__main__":

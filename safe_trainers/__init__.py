@@ -23,7 +23,9 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "SafetyArguments": "arguments",
     **dict.fromkeys(("DPOConfig", "GRPOConfig", "KTOConfig", "RLOOConfig", "RewardConfig", "SFTConfig"), "configs"),
-    **dict.fromkeys(("DPOTrainer", "GRPOTrainer", "KTOTrainer", "RLOOTrainer", "RewardTrainer", "SFTTrainer"), "trainers"),
+    **dict.fromkeys(
+        ("DPOTrainer", "GRPOTrainer", "KTOTrainer", "RLOOTrainer", "RewardTrainer", "SFTTrainer"), "trainers"
+    ),
     **dict.fromkeys(("SafetyError", "TrainingDivergedError"), "errors"),
     **dict.fromkeys(("Change", "Finding", "SafetyReport"), "report"),
     **dict.fromkeys(("DEFAULT_RULES", "Rule", "rule_ids"), "rules"),

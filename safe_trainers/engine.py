@@ -44,7 +44,8 @@ def run_stage(
     opt_out = report.opt_out
     first = [f for f in (check(rule, target) for rule in rules) if f is not None]
     # `strict` refuses every finding about the user's own settings; a changed library default is still applied.
-    blocked = [_as_blocked(f, strict, opt_out) for f in first if (strict and f.counts_against_user) or f.action == "blocked"]
+    refused = [f for f in first if (strict and f.counts_against_user) or f.action == "blocked"]
+    blocked = [_as_blocked(f, strict, opt_out) for f in refused]
     if blocked:
         raise SafetyError(blocked, opt_out=opt_out)
     if settings.safety_mode == "warn":

@@ -154,7 +154,7 @@ class SafetyReport:
 
     @property
     def user_findings(self) -> list[Finding]:
-        """The findings about the user's own settings: what `safety_mode="strict"` and `safe-trainers check` fail on."""
+        """The findings about the user's own settings: what `safety_mode="strict"` and `check` fail on."""
         return [f for f in self.findings if f.counts_against_user]
 
     def render(self) -> str:
@@ -174,7 +174,7 @@ class SafetyReport:
         width = max(len(f.rule_id) for f in self.findings)
         lines += _render_findings(own, width)
         if defaults:
-            lines.append("  Library defaults you did not set (changed, but never a failure in `strict` mode or `check`):")
+            lines.append("  Library defaults you did not set (changed, never a failure in `strict` mode or `check`):")
             lines += _render_findings(defaults, width)
         lines.append(f"  Disable a rule with {self.opt_out.disable}.")
         return "\n".join(lines)

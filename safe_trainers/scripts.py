@@ -45,8 +45,8 @@ class ScriptArguments(trl.ScriptArguments, trl.DatasetMixtureConfig):
     Args:
         reward_funcs (`list[str]`, *optional*, defaults to `["count_words"]`):
             GRPO and RLOO reward functions: built-in names (`count_words`, `length`, `format`, see
-            `safe_trainers.rewards`), TRL's reward names (`accuracy_reward`, `think_format_reward`, ...), `module:function`
-            or dotted paths to your own functions, or local reward-model directories.
+            `safe_trainers.rewards`), TRL's reward names (`accuracy_reward`, `think_format_reward`, ...),
+            `module:function` or dotted paths to your own functions, or local reward-model directories.
     """
 
     reward_funcs: list[str] = field(

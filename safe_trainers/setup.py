@@ -80,8 +80,8 @@ class TrainerSetup:
         if self.inferred_family is None:
             return []
         return [
-            f"`{self.model_name}` is a `{self.inferred_family}` model, inferred from the name: its `config.json` could "
-            "not be read, so the rules used that family's default config."
+            f"`{self.model_name}` is a `{self.inferred_family}` model, inferred from the name: its `config.json` "
+            "could not be read, so the rules used that family's default config."
         ]
 
     def user_set(self, name: str) -> bool:

@@ -84,8 +84,7 @@ class Within(frozenset):
     """The `ranks` of an event whose loss may or may not show the fault: any subset of these ranks.
 
     A NaN written into one rank's weights makes that rank's gradient non-finite (so every rank skips), but whether its
-    loss is NaN too depends on the model's numerics (TRL's DPO loss can stay finite through a `logsigmoid` of a NaN-free
-    difference, or not, depending on the installed versions). The contract is the skip on every rank and a rollback
+    loss is NaN too depends on the model's numerics and the installed versions. The contract is the skip on every rank and a rollback
     that names the damaged rank, not the loss value.
     """
 

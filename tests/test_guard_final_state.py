@@ -81,3 +81,21 @@ def test_the_end_check_leaves_a_healthy_run_alone(toy_models, tmp_path):
     trainer.nan_guard.finish()  # what `train()` did at its end: no event, no change
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     assert not [e for e in read_events(str(tmp_path)) if e["kind"] == "restore"]
+
+
+def test_with_load_best_model_at_end_the_best_checkpoint_is_put_back(toy_models, tmp_path):
+    # The run ends on the best checkpoint's weights; damage after that (at `on_train_end`) must restore those, not the
+    # last step's snapshot.
+    trainer = guarded_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), eval_rows=4, max_steps=6, save_steps=2, eval_strategy="steps",
+        eval_steps=2, load_best_model_at_end=True,
+    )  # fmt: skip
+    trainer.add_callback(DamageAfterTheGuard(None))
+    trainer.train()
+    (event,) = [e for e in read_events(str(tmp_path)) if e["kind"] == "restore"]
+    best = trainer.state.best_model_checkpoint
+    assert event["restored_from"] == best and event["restored_step"] == trainer.state.best_global_step
+    saved = load_file(os.path.join(best, "model.safetensors"))
+    live = dict(trainer.model.named_parameters())
+    assert all(torch.equal(saved[name], live[name].detach()) for name in saved if name in live)
+    assert weights_finite(trainer)

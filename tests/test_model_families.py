@@ -29,7 +29,8 @@ def write(tmp_path, text: str) -> str:
 
 def test_check_infers_gemma2_from_a_hub_id_it_cannot_read(tmp_path, capsys):
     # HF_HUB_OFFLINE=1: `config.json` of the Hub id cannot be read; before, no attention finding at all.
-    assert main(["check", "--trainer", "dpo", "--config", write(tmp_path, GEMMA2_RECIPE), "--target-hardware", "H100"]) == 1
+    config = write(tmp_path, GEMMA2_RECIPE)
+    assert main(["check", "--trainer", "dpo", "--config", config, "--target-hardware", "H100"]) == 1
     out = capsys.readouterr().out
     assert "[fixed] attention.gemma2_no_flash" in out and "'sdpa' -> 'eager'" in out
     assert "`google/gemma-2-9b-it` is a `gemma2` model, inferred from the name" in out

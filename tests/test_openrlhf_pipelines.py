@@ -86,7 +86,10 @@ def test_pipeline_commands_run_unchanged(command, capsys):
             [*PY, "openrlhf.cli.serve_rm", "--reward.model_name_or_path", GEMMA_RM, "--ds.param_dtype", "fp16"],
             [*PY, "openrlhf.cli.serve_rm", "--reward.model_name_or_path", GEMMA_RM, "--ds.param_dtype", "bf16",
              "--ds.attn_implementation", "eager"],
-            [Change("argv.--ds.param_dtype", "fp16", "bf16"), Change("argv.--ds.attn_implementation", REMOVED, "eager")],
+            [
+                Change("argv.--ds.param_dtype", "fp16", "bf16"),
+                Change("argv.--ds.attn_implementation", REMOVED, "eager"),
+            ],
         ),
         (
             [*DS, "openrlhf.cli.batch_inference", "--eval_task", "rm", "--pretrain", GEMMA_RM, "--bf16",

@@ -53,9 +53,8 @@ def test_trl_reward_names_resolve_to_trls_functions():
     assert rewards.load_reward_func("accuracy_reward") is trl.rewards.accuracy_reward
     overlong = rewards.load_reward_func("get_soft_overlong_punishment")  # built as TRL's script builds it
     assert overlong(completion_ids=[[0] * 1024, [0] * 1280]) == [0.0, -1.0]
-    assert rewards.reward_name_problem("accuracy") is not None and "think_format_reward" in rewards.reward_name_problem(
-        "accuracy"
-    )
+    problem = rewards.reward_name_problem("accuracy")
+    assert problem is not None and "think_format_reward" in problem
 
 
 def test_a_grpo_recipe_with_trl_rewards_is_checked_and_trained(toy_models, tmp_path):

@@ -126,8 +126,8 @@ def target_problems(values: dict[str, Any], hardware: Hardware) -> list[str]:
     if values.get("tf32") and not ampere:
         problems.append(
             f"`tf32=True` needs an NVIDIA GPU of the Ampere generation or newer, and the target is "
-            f"{hardware.device_name or hardware.accelerator.upper()}: transformers refuses the config at start-up there. "
-            "Remove `tf32` or set it to false."
+            f"{hardware.device_name or hardware.accelerator.upper()}: transformers refuses the config at start-up "
+            "there. Remove `tf32` or set it to false."
         )
     backend = values.get("ddp_backend")
     if backend in CUDA_ONLY_BACKENDS and not cuda:

@@ -82,9 +82,8 @@ def local_bf16_support(query: Callable[..., Any] = subprocess.run) -> bool | Non
     """Whether this machine's GPUs support bf16 (compute capability 8.0 or more), asked of `nvidia-smi` so that the
     shim never imports torch; `None` when there is no NVIDIA GPU here to ask (e.g. a Ray head) or no answer."""
     try:
-        done = query(
-            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
-        )
+        argv = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+        done = query(argv, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     capabilities = [line.strip() for line in (done.stdout or "").splitlines() if line.strip()]
@@ -169,7 +168,8 @@ def _merge(findings: list[Finding | None], generations: tuple[Generation, ...]) 
     blocked = next((f for _, f in present if f.action == "blocked"), None)
     if blocked is not None:
         which = " or ".join(str(g) for g, f in present if f.action == "blocked")
-        return replace(blocked, message=f"{blocked.message} (In OpenRLHF {which}; the command's flags fit {fits}.) {pin}")
+        where = f"(In OpenRLHF {which}; the command's flags fit {fits}.)"
+        return replace(blocked, message=f"{blocked.message} {where} {pin}")
     if all(f.action == "warned" for _, f in present):
         return first
     change_sets = [set(f.changes) if f is not None and f.action == "fixed" else set() for f in findings]
