@@ -51,7 +51,7 @@ def test_import_safe_trainers_resolves_names_on_first_use():
 
 
 def test_bf16_support_is_asked_of_nvidia_smi_not_torch():
-    from safe_trainers.openrlhf.shim import local_bf16_support
+    from safe_trainers.openrlhf.machine import local_bf16_support
 
     def answer(stdout: str, returncode: int = 0):
         return lambda *args, **kwargs: subprocess.CompletedProcess(args, returncode, stdout=stdout)
