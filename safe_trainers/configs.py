@@ -12,7 +12,7 @@ import trl
 
 from .arguments import SafetyArguments, validate_safety_arguments
 from .errors import SafetyError
-from .kinds import KINDS
+from .kinds import get_kind
 from .report import Finding
 from .rules.grpo import GroupSize, group_size_problems
 
@@ -75,5 +75,6 @@ class RLOOConfig(GroupChecks, SafetyArguments, trl.RLOOConfig):
     """
 
 
-# Every kind of the table has its config class here (a missing one fails at import, not at first use).
-CONFIG_CLASSES: dict[str, type] = {kind.id: globals()[kind.config_name] for kind in KINDS.values()}
+def config_class(kind: str) -> type:
+    """The safe config class of trainer kind `kind` (a key of [`~safe_trainers.kinds.KINDS`]), e.g. `DPOConfig`."""
+    return globals()[get_kind(kind).config_name]

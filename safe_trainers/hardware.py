@@ -35,6 +35,36 @@ CUBLAS_PROBE_CODE = (
 )
 
 
+H20_NAME = re.compile(r"(?<![A-Z0-9])H20(?![A-Z0-9])", re.IGNORECASE)  # "NVIDIA H20", not "H200"
+FIXED_CUBLAS = (12, 4, 5, 8)  # nvidia-cublas-cu12 12.4.5.8, the release torch's cu124 wheels ship
+FIXED_CUDA = (12, 4)
+
+
+def version_tuple(text: str | None) -> tuple[int, ...] | None:
+    """`"12.4.5.8"` -> `(12, 4, 5, 8)`; `None` for a missing or unreadable version."""
+    if not text:
+        return None
+    parts = re.findall(r"\d+", text.split("+")[0])
+    return tuple(int(p) for p in parts) or None
+
+
+def cublas_at_risk(device_name: str | None, cuda_version: str | None, cublas_version: str | None) -> str | None:
+    """Whether half-precision GEMMs can die with SIGFPE here: `"risky"` (H20 with a cuBLAS before 12.4.5.8),
+    `"unverified"` (H20 with a CUDA 11 cuBLAS, not reported either way, or no version known), `None` (safe)."""
+    if not device_name or not H20_NAME.search(device_name):
+        return None
+    cublas, cuda = version_tuple(cublas_version), version_tuple(cuda_version)
+    if cublas is not None:
+        fixed, major = cublas >= FIXED_CUBLAS, cublas[0]
+    elif cuda is not None:
+        fixed, major = cuda >= FIXED_CUDA, cuda[0]
+    else:
+        return "unverified"
+    if fixed:
+        return None
+    return "risky" if major >= 12 else "unverified"
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Facts about the machine (or the target machine) and the installed libraries that rules depend on.
@@ -72,7 +102,7 @@ class Hardware:
     @classmethod
     def detect(cls, probe: bool = True) -> "Hardware":
         """This machine. With `probe=True`, the known crashing cuBLAS GEMM is run in a subprocess, but only on a GPU
-        and cuBLAS that the `env.cublas_sigfpe` rule considers at risk (elsewhere nothing is run)."""
+        and cuBLAS at risk ([`cublas_at_risk`]; elsewhere nothing is run)."""
         import torch
 
         flash = package_version("flash_attn")
@@ -85,8 +115,6 @@ class Hardware:
                 cuda_version=torch.version.cuda,
                 cublas_version=package_version("nvidia-cublas-cu12"),
             )
-            from .rules.hardware import cublas_at_risk
-
             if probe and cublas_at_risk(facts.device_name, facts.cuda_version, facts.cublas_version) == "risky":
                 return _replace(facts, cublas_probe=run_cublas_probe())
             return facts
@@ -178,4 +206,4 @@ def _replace(facts: Hardware, **changes) -> Hardware:
     return dataclasses.replace(facts, **changes)
 
 
-__all__ = ["KNOWN_GPUS", "Hardware", "gpu_capability", "run_cublas_probe"]
+__all__ = ["KNOWN_GPUS", "Hardware", "cublas_at_risk", "gpu_capability", "run_cublas_probe", "version_tuple"]

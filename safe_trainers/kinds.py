@@ -1,11 +1,12 @@
 """The trainer kinds: one row per TRL trainer that `safe_trainers` wraps.
 
-The mixin (default run name, model class), the launch scripts (config class, toy model and data, reward functions),
+The mixin (default run name, model class), the launch scripts (toy model and data, reward functions),
 `safe-trainers check --trainer`, the toy data and the tests read this table instead of branching on the kind. Adding
 the next TRL trainer is one row here, its two classes (`configs.py`, `trainers.py`: a line each) and the kind added to
 the `trainers=` set of the rules that apply to it.
 
-This module imports nothing heavy: the classes are looked up by name when first asked for.
+This module is data: it imports nothing of the package. The safe classes are looked up where they are defined
+([`~safe_trainers.configs.config_class`], [`~safe_trainers.trainers.trainer_class`]), by the names a row gives.
 """
 
 from __future__ import annotations
@@ -64,16 +65,6 @@ class TrainerKind:
     def trl_config(self) -> type:
         """TRL's config class, e.g. `trl.DPOConfig`."""
         return getattr(importlib.import_module("trl"), self.config_name)
-
-    @property
-    def trainer(self) -> type:
-        """The safe trainer class, e.g. `safe_trainers.DPOTrainer`."""
-        return getattr(importlib.import_module("safe_trainers.trainers"), self.trainer_name)
-
-    @property
-    def config(self) -> type:
-        """The safe config class, e.g. `safe_trainers.DPOConfig`."""
-        return getattr(importlib.import_module("safe_trainers.configs"), self.config_name)
 
 
 # In the order of an RLHF pipeline: supervised fine-tuning, a reward model or offline preferences, online RL.

@@ -11,6 +11,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 
 from .apply import apply_to_setup, apply_to_trainer
 from .arguments import SafetyArguments
+from .configs import config_class
 from .engine import new_report, run_stage, select_rules
 from .guard import NanGuard, NanGuardCallback
 from .guard.trainer_hooks import NanGuardTrainerMixin
@@ -52,7 +53,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             if "_trl_class" not in cls.__dict__:
                 cls._trl_class = row.trl_trainer
             if "_safety_config_class" not in cls.__dict__:
-                cls._safety_config_class = row.config
+                cls._safety_config_class = config_class(kind)
         trl_class = cls.__dict__.get("_trl_class")
         if trl_class is not None and "__init__" not in cls.__dict__:
             # Give each trainer TRL's own signature and docstring (IDEs, `inspect.signature`, docs).

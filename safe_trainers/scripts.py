@@ -77,7 +77,9 @@ def make_parser(kind: str, config_class: type | None = None) -> TrlParser:
     """TRL's parser over `(ScriptArguments, <safe config of kind>, ModelConfig)`. Without an accelerator, `use_cpu`
     defaults to `True` (a `--config` file or the command line can still set it). `config_class` replaces the safe
     config class (`safe-trainers check` parses with one sized for the target's processes)."""
-    parser = TrlParser((ScriptArguments, config_class or get_kind(kind).config, ModelConfig), prog=f"train_{kind}")
+    from .configs import config_class as kind_config
+
+    parser = TrlParser((ScriptArguments, config_class or kind_config(kind), ModelConfig), prog=f"train_{kind}")
     if not has_accelerator():
         # transformers refuses bf16 (the TRL default) without a GPU unless `use_cpu=True`.
         parser.set_defaults(use_cpu=True)
@@ -275,7 +277,9 @@ def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, m
         kwargs["eval_dataset"] = load_split(kind, script_args, script_args.dataset_test_split)
     if row.online:
         kwargs["reward_funcs"] = load_reward_funcs(script_args.reward_funcs)
-    return row.trainer(**kwargs)
+    from .trainers import trainer_class
+
+    return trainer_class(kind)(**kwargs)
 
 
 def main(kind: str, argv: list[str] | None = None) -> Trainer:

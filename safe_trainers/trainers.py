@@ -9,7 +9,7 @@ from __future__ import annotations
 import trl
 
 from .generation import OnlineGenerationMixin
-from .kinds import KINDS
+from .kinds import get_kind
 from .mixin import SafeTrainerMixin
 
 
@@ -83,5 +83,6 @@ class RLOOTrainer(SafeTrainerMixin, OnlineGenerationMixin, trl.RLOOTrainer):
     _safety_kind = "rloo"
 
 
-# Every kind of the table has its trainer class here (a missing one fails at import, not at first use).
-TRAINER_CLASSES: dict[str, type] = {kind.id: globals()[kind.trainer_name] for kind in KINDS.values()}
+def trainer_class(kind: str) -> type:
+    """The safe trainer class of trainer kind `kind` (a key of [`~safe_trainers.kinds.KINDS`]), e.g. `DPOTrainer`."""
+    return globals()[get_kind(kind).trainer_name]

@@ -8,11 +8,15 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from safe_trainers.configs import CONFIG_CLASSES as CONFIGS
+from safe_trainers.configs import config_class
 from safe_trainers.faults import Fault, FaultInjector
-from safe_trainers.kinds import get_kind
+from safe_trainers.kinds import KINDS, get_kind
 from safe_trainers.toy import count_words_reward, dataset_for
-from safe_trainers.trainers import TRAINER_CLASSES as TRAINERS
+from safe_trainers.trainers import trainer_class
+
+
+CONFIGS = {kind: config_class(kind) for kind in KINDS}
+TRAINERS = {kind: trainer_class(kind) for kind in KINDS}
 
 
 def guarded_trainer(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from safe_trainers import SafetyArguments
 from safe_trainers.apply import apply_to_setup
-from safe_trainers.configs import CONFIG_CLASSES
+from safe_trainers.configs import config_class
 from safe_trainers.engine import new_report, run_stage, select_rules
 from safe_trainers.kinds import get_kind
 from safe_trainers.rules import DEFAULT_RULES
@@ -23,7 +23,7 @@ def make_args(kind: str = "dpo", **overrides):
     if get_kind(kind).online:
         kwargs.update(num_generations=2, per_device_train_batch_size=2)
     kwargs.update(overrides)
-    return CONFIG_CLASSES[kind](**kwargs)
+    return config_class(kind)(**kwargs)
 
 
 def make_setup(kind="dpo", family="llama", *, hardware=CPU, model=None, args=None, config=None, **fields):

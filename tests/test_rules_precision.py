@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 from safe_trainers.hardware import Hardware, gpu_capability, run_cublas_probe
 from safe_trainers.rules import get_rule
-from safe_trainers.rules.hardware import cublas_at_risk, version_tuple
+from safe_trainers.hardware import cublas_at_risk, version_tuple
 from safe_trainers.rules.precision import checkpoint_dtype, dtype_name, load_dtype
 from safe_trainers.toy import build_model, model_config
 

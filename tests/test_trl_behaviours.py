@@ -23,7 +23,9 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from safe_trainers.configs import config_class
 from safe_trainers.kinds import KINDS
+from safe_trainers.trainers import trainer_class
 from safe_trainers.toy import dataset_for
 
 
@@ -32,7 +34,7 @@ IMPLS = ["trl", "safe"]
 
 def classes(kind: str, impl: str) -> tuple[type, type]:
     row = KINDS[kind]
-    return (row.trl_trainer, row.trl_config) if impl == "trl" else (row.trainer, row.config)
+    return (row.trl_trainer, row.trl_config) if impl == "trl" else (trainer_class(kind), config_class(kind))
 
 
 def config(kind, impl, tmp_path, **overrides):

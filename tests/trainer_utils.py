@@ -8,10 +8,14 @@ import os
 import torch
 from conftest import cpu_args
 
-from safe_trainers.configs import CONFIG_CLASSES as CONFIGS
+from safe_trainers.configs import config_class
 from safe_trainers.kinds import KINDS
 from safe_trainers.toy import dataset_for
-from safe_trainers.trainers import TRAINER_CLASSES as TRAINERS
+from safe_trainers.trainers import trainer_class
+
+
+CONFIGS = {kind: config_class(kind) for kind in KINDS}
+TRAINERS = {kind: trainer_class(kind) for kind in KINDS}
 
 DEFAULT_MODEL = {k.id: "qwen2-rm" if k.model_task == "seq_cls" else "qwen2" for k in KINDS.values()}
 

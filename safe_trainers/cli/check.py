@@ -135,6 +135,7 @@ def run(ns: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes drown the report
     from ..apply import apply_to_setup
     from ..arguments import SafetyArguments
+    from ..configs import config_class as kind_config
     from ..engine import new_report, run_stage, select_rules
     from ..errors import SafetyError
     from ..kinds import get_kind
@@ -162,7 +163,7 @@ def run(ns: argparse.Namespace) -> int:
         # transformers validates bf16 against *this* machine while parsing; the lint is for the target, so parse as
         # a CPU config here (the target's facts, not `use_cpu`, are what the rules read).
         overrides += ["--use_cpu", "true"]
-    config_class = target.config_class_for(get_kind(ns.trainer).config, launch.num_processes)
+    config_class = target.config_class_for(kind_config(ns.trainer), launch.num_processes)
     problems = target.target_problems(target_values, hardware)
     try:
         with target.config_file(config) as path:

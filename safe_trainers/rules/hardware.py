@@ -6,45 +6,16 @@ they are pure and testable anywhere.
 
 from __future__ import annotations
 
-import re
-
+from ..hardware import cublas_at_risk
 from ..report import Finding
 from .base import Rule
 from .precision import FP16_OVERFLOW_FAMILIES, launcher_precision, load_dtype, parameter_dtypes
 
 
-H20_NAME = re.compile(r"(?<![A-Z0-9])H20(?![A-Z0-9])", re.IGNORECASE)  # "NVIDIA H20", not "H200"
-FIXED_CUBLAS = (12, 4, 5, 8)  # nvidia-cublas-cu12 12.4.5.8, the release torch's cu124 wheels ship
-FIXED_CUDA = (12, 4)
 CUBLAS_FIX = (
     "`pip install 'nvidia-cublas-cu12>=12.4.5.8'` (the wheel torch loads), or a torch built for CUDA >= 12.4 "
     "(e.g. `pip install torch --index-url https://download.pytorch.org/whl/cu124`)"
 )
-
-
-def version_tuple(text: str | None) -> tuple[int, ...] | None:
-    """`"12.4.5.8"` -> `(12, 4, 5, 8)`; `None` for a missing or unreadable version."""
-    if not text:
-        return None
-    parts = re.findall(r"\d+", text.split("+")[0])
-    return tuple(int(p) for p in parts) or None
-
-
-def cublas_at_risk(device_name: str | None, cuda_version: str | None, cublas_version: str | None) -> str | None:
-    """Whether half-precision GEMMs can die with SIGFPE here: `"risky"` (H20 with a cuBLAS before 12.4.5.8),
-    `"unverified"` (H20 with a CUDA 11 cuBLAS, not reported either way, or no version known), `None` (safe)."""
-    if not device_name or not H20_NAME.search(device_name):
-        return None
-    cublas, cuda = version_tuple(cublas_version), version_tuple(cuda_version)
-    if cublas is not None:
-        fixed, major = cublas >= FIXED_CUBLAS, cublas[0]
-    elif cuda is not None:
-        fixed, major = cuda >= FIXED_CUDA, cuda[0]
-    else:
-        return "unverified"
-    if fixed:
-        return None
-    return "risky" if major >= 12 else "unverified"
 
 
 def half_precision_in_use(setup) -> list[str]:
