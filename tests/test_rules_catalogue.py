@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import MixtralConfig, Qwen3MoeConfig
 
 from safe_trainers.rules import BuiltTrainer, get_rule
-from safe_trainers.rules.rl import padded_vocab_ids, truncated_sampling
+from safe_trainers.rules.grpo import padded_vocab_ids, truncated_sampling
 from safe_trainers.rules.tokens import near_zero_rows, pad_candidates, template_token_ids
 from safe_trainers.toy import VOCAB_SIZE, build_model, build_tokenizer, model_config
 
@@ -252,7 +252,7 @@ def test_gemma2_flash_kept_with_a_flash_attn_that_soft_caps():
 
 
 def test_beta_unused_by_an_sft_only_dpo_loss_is_not_judged():
-    from safe_trainers.rules.preference import beta_problem
+    from safe_trainers.rules.dpo import beta_problem
 
     assert beta_problem(float("inf"), ["sft"]) is None and beta_problem(0.0, ["sft"]) is None
     assert beta_problem(float("inf"), ["sigmoid", "sft"])[0] == "blocked"  # the sigmoid term does use it

@@ -10,14 +10,15 @@ from __future__ import annotations
 from .attention import Gemma2NoFlash
 from .base import ALL_TRAINERS, BuiltTrainer, Rule
 from .data import NoLossTokens
-from .grpo import GroupSize
-from .hardware import Bf16Supported, CublasSigfpe
-from .logs import ShowNonFinite
+from .dpo import BetaPositive
+from .env import CublasSigfpe
+from .grpo import GroupSize, VllmIsTruncation, VocabSize
+from .kto import KtoBatchAndLabels
+from .logging import ShowNonFinite
+from .moe import RouterAuxLoss
 from .optim import GradClip, LearningRate
 from .peft import RewardSeqClsLora
-from .precision import Fp32TrainableParams, PreferBf16
-from .preference import BetaPositive, KtoBatchAndLabels
-from .rl import RouterAuxLoss, VllmIsTruncation, VocabSize
+from .precision import Bf16Supported, Fp32TrainableParams, PreferBf16
 from .tokens import RewardPadToken, UntrainedEmbeddings
 
 

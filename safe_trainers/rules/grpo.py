@@ -1,11 +1,16 @@
-"""Group rule (GRPO, RLOO): groups big enough for a baseline, batches of whole groups, sampling temperature > 0."""
+"""GRPO/RLOO rules (`grpo.*`): groups big enough for a baseline, batches of whole groups, sampling temperature > 0;
+sample only ids the tokenizer knows; keep vLLM's importance-sampling correction unbiased."""
 
 from __future__ import annotations
 
 import math
 
-from ..report import Finding
+from ..report import Change, Finding
 from .base import Rule
+from .tokens import text_tokenizer
+
+
+ONLINE_RL = frozenset({"grpo", "rloo"})
 
 
 def group_size_problems(num_generations: int | None, generation_batch_size: int | None, temperature: float) -> list[str]:
@@ -43,7 +48,7 @@ def group_size_problems(num_generations: int | None, generation_batch_size: int 
 class GroupSize(Rule):
     id = "grpo.group_size"
     summary = "`num_generations` >= 2, generation batch divisible by it, `temperature` > 0 (checked before loading)."
-    trainers = frozenset({"grpo", "rloo"})
+    trainers = ONLINE_RL
     rationale = "https://github.com/huggingface/trl/issues/2906"
 
     def check(self, setup) -> Finding | None:
@@ -54,3 +59,84 @@ class GroupSize(Rule):
             getattr(args, "temperature", 1.0),
         )
         return self.blocked(" ".join(problems)) if problems else None
+
+
+def padded_vocab_ids(vocab_size: int | None, tokenizer_size: int | None) -> range:
+    """Ids the model can sample but the tokenizer cannot decode (`config.vocab_size` padded past the tokenizer)."""
+    if not vocab_size or not tokenizer_size or tokenizer_size >= vocab_size:
+        return range(0)
+    return range(tokenizer_size, vocab_size)
+
+
+class VocabSize(Rule):
+    id = "grpo.vocab_size"
+    summary = "A model vocabulary padded past the tokenizer: transformers generation suppresses the extra ids; vLLM warned."
+    trainers = ONLINE_RL
+    rationale = "https://github.com/volcengine/verl/issues/1398"
+
+    def check(self, setup) -> Finding | None:
+        config = setup.text_config
+        if setup.tokenizer is None or config is None:
+            return None
+        size = len(text_tokenizer(setup.tokenizer))
+        extra = padded_vocab_ids(getattr(config, "vocab_size", None), size)
+        if not extra:
+            return None
+        args = setup.args
+        what = (
+            f"the model's `vocab_size={config.vocab_size}` is larger than the tokenizer ({size} tokens), so sampling "
+            f"can draw one of the {len(extra)} ids {extra.start}..{extra.stop - 1} that decode to nothing: garbage "
+            "completions, wrong rewards, or a crash in decoding"
+        )
+        if getattr(args, "use_vllm", False):
+            return self.warned(
+                f"{what}. vLLM samples from the model's full vocabulary; use a vLLM that masks ids past the tokenizer, "
+                "or generate with transformers (`use_vllm=False`), where this rule suppresses them."
+            )
+        kwargs = dict(getattr(args, "generation_kwargs", None) or {})
+        kept = list(kwargs.get("suppress_tokens") or [])
+        image_token = getattr(setup.model_config, "image_token_id", None)
+        if image_token is not None and image_token not in kept:
+            kept.append(image_token)  # TRL suppresses it for processors; `generation_kwargs` would override that
+        new = {**kwargs, "suppress_tokens": kept + [i for i in extra if i not in kept]}
+        return self.fixed(
+            f"{what}. Generation now suppresses them (`generation_kwargs['suppress_tokens']`).",
+            Change("args.generation_kwargs", getattr(args, "generation_kwargs", None), new),
+        )
+
+
+def truncated_sampling(args) -> list[str]:
+    """The sampling settings that truncate the distribution (`top_p` < 1, `top_k` > 0, `min_p` > 0), as set; values
+    in `generation_kwargs` override the fields, as TRL applies them."""
+    values = {name: getattr(args, name, None) for name in ("top_p", "top_k", "min_p")}
+    values.update({k: v for k, v in (getattr(args, "generation_kwargs", None) or {}).items() if k in values})
+    found = []
+    if values["top_p"] is not None and values["top_p"] < 1:
+        found.append(f"`top_p={values['top_p']}`")
+    if values["top_k"] is not None and values["top_k"] > 0:
+        found.append(f"`top_k={values['top_k']}`")
+    if values["min_p"] is not None and values["min_p"] > 0:
+        found.append(f"`min_p={values['min_p']}`")
+    return found
+
+
+class VllmIsTruncation(Rule):
+    id = "grpo.vllm_is_truncation"
+    summary = "vLLM importance-sampling correction with `top_p`/`top_k`/`min_p` truncation (biased ratio): warned."
+    trainers = ONLINE_RL
+    rationale = "https://github.com/huggingface/trl/issues/6789"
+
+    def check(self, setup) -> Finding | None:
+        args = setup.args
+        if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False)):
+            return None
+        truncation = truncated_sampling(args)
+        if not truncation:
+            return None
+        return self.warned(
+            f"`vllm_importance_sampling_correction=True` with {' and '.join(truncation)}: vLLM's log-probs are "
+            "renormalised over the truncated support while the trainer's are over the full softmax, so every "
+            "importance ratio carries the log of the kept probability mass: a biased correction that masks or "
+            "clips good samples. Sample without truncation (`top_p=1.0`, `top_k=0`, `min_p=None`), or set "
+            "`vllm_importance_sampling_correction=False`."
+        )

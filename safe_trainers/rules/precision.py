@@ -192,3 +192,56 @@ class Fp32TrainableParams(Rule):
 
 def fp16_trainable_parameters(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad and dtype_name(p.dtype) == "float16"]
+
+
+def half_precision_in_use(setup) -> list[str]:
+    """How the run computes in bf16/fp16 (AMP flags, accelerate, DeepSpeed, half weights), as the user set it."""
+    args = setup.args
+    found = [f"`{flag}=True`" for flag in ("bf16", "fp16") if getattr(args, flag, False)]
+    launcher = launcher_precision(args)
+    if launcher in ("fp16", "bf16"):
+        found.append(f"accelerate's `mixed_precision={launcher!r}`")
+    ds = setup.deepspeed_config or {}
+    found += [f'DeepSpeed `"{key}"`' for key in ("bf16", "fp16") if (ds.get(key) or {}).get("enabled") is True]
+    if setup.model_is_path:
+        resolved = load_dtype(setup.model_init_kwargs, setup.model_config)[1]
+        if resolved in ("bfloat16", "float16"):
+            found.append(f"{resolved} weights")
+    else:
+        found += [f"{name} weights" for name in sorted(parameter_dtypes(setup.model) & {"bfloat16", "float16"})]
+    return found
+
+
+def bf16_requests(setup) -> list[str]:
+    """Where bf16 is asked for: the flag, accelerate, DeepSpeed's section, or the load dtype of a path."""
+    args = setup.args
+    found = ["`bf16=True`"] if args.bf16 else []
+    if launcher_precision(args) == "bf16":
+        found.append("accelerate's `mixed_precision='bf16'`")
+    if ((setup.deepspeed_config or {}).get("bf16") or {}).get("enabled") is True:
+        found.append('DeepSpeed `"bf16": {"enabled": true}`')
+    if setup.model_is_path and load_dtype(setup.model_init_kwargs, setup.model_config)[0] == "bfloat16":
+        found.append("`model_init_kwargs['dtype']='bfloat16'`")
+    return found
+
+
+class Bf16Supported(Rule):
+    id = "precision.bf16_supported"
+    summary = "bf16 asked for on a GPU without bf16 hardware (before Ampere: emulated, several times slower): warned."
+    rationale = "https://github.com/axolotl-ai-cloud/axolotl/blob/main/src/axolotl/utils/schemas/config.py"
+
+    def check(self, setup) -> Finding | None:
+        hw = setup.hardware
+        requests = bf16_requests(setup)
+        if hw.bf16_supported or hw.accelerator != "cuda" or not requests:
+            return None
+        overflow = sorted(setup.model_types & FP16_OVERFLOW_FAMILIES)
+        alternative = (
+            f"fp32 (`bf16=False`): `{overflow[0]}` overflows fp16"
+            if overflow
+            else "fp16 mixed precision (`fp16=True`, `bf16=False`; weights stay fp32), or fp32 (`bf16=False`)"
+        )
+        return self.warned(
+            f"{' and '.join(requests)} on {hw.device_name or 'this GPU'}, which has no bf16 hardware (compute "
+            f"capability < 8.0): torch emulates bf16, so training runs several times slower. Use {alternative}."
+        )

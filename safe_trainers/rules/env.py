@@ -1,0 +1,52 @@
+"""Environment rule (`env.*`): no half-precision GEMM on the H20 + cuBLAS 12.1 SIGFPE bug.
+
+It decides from the [`Hardware`] facts in the setup (this machine, or the target named to `safe-trainers check`), so
+it is pure and testable anywhere.
+"""
+
+from __future__ import annotations
+
+from ..hardware import cublas_at_risk
+from ..report import Finding
+from .base import Rule
+from .precision import half_precision_in_use
+
+
+CUBLAS_FIX = (
+    "`pip install 'nvidia-cublas-cu12>=12.4.5.8'` (the wheel torch loads), or a torch built for CUDA >= 12.4 "
+    "(e.g. `pip install torch --index-url https://download.pytorch.org/whl/cu124`)"
+)
+
+
+class CublasSigfpe(Rule):
+    id = "env.cublas_sigfpe"
+    summary = "bf16/fp16 on an H20 with a cuBLAS before 12.4.5.8 (SIGFPE in cublasLt) is refused, with the upgrade."
+    rationale = "https://github.com/huggingface/trl/issues/2906"
+
+    def check(self, setup) -> Finding | None:
+        hw = setup.hardware
+        risk = cublas_at_risk(hw.device_name, hw.cuda_version, hw.cublas_version)
+        half = half_precision_in_use(setup)
+        if risk is None or not half:
+            return None
+        versions = f"cuBLAS {hw.cublas_version}" if hw.cublas_version else f"CUDA {hw.cuda_version or '(unknown)'}"
+        workaround = "Until then fp32 avoids it (`bf16=False`, `fp16=False`, float32 weights), at twice the memory."
+        if risk == "unverified":
+            return self.warned(
+                f"{' and '.join(half)} on {hw.device_name} with {versions}: half-precision GEMMs on H20 crash with "
+                "'Floating point exception' (SIGFPE in cublasLt) with cuBLAS before 12.4.5.8, and this version was "
+                f"not verified. Make sure torch loads a fixed cuBLAS: {CUBLAS_FIX}."
+            )
+        if hw.cublas_probe == "passed":
+            return self.warned(
+                f"{' and '.join(half)} on {hw.device_name} with {versions}: this cuBLAS has the H20 SIGFPE bug; the "
+                f"known crashing GEMM ran here, but other shapes may still kill the run. Upgrade: {CUBLAS_FIX}."
+            )
+        seen = ""
+        if hw.cublas_probe == "crashed":
+            seen = " (the known crashing GEMM was run in a subprocess and died with SIGFPE)"
+        return self.blocked(
+            f"{' and '.join(half)} on {hw.device_name} with {versions}: half-precision GEMMs on H20 kill the process "
+            f"with 'Floating point exception (core dumped)', an integer division by zero inside cublasLt before "
+            f"cuBLAS 12.4.5.8{seen}. Fix: {CUBLAS_FIX}. {workaround}"
+        )
