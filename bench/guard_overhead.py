@@ -30,7 +30,7 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import safe_trainers as st  # noqa: E402
-from safe_trainers.toy import build_tokenizer, model_config  # noqa: E402
+from safe_trainers.testing.toy import build_tokenizer, model_config  # noqa: E402
 
 
 class StepTimer(TrainerCallback):

@@ -28,7 +28,7 @@ Run `python launch/train_reward.py --help` for every option (TRL's `RewardConfig
 and dataset arguments).
 """
 
-from safe_trainers.scripts import main
+from safe_trainers.scripts.launch import main
 
 
 if __name__ == "__main__":

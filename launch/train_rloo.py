@@ -25,12 +25,12 @@ python launch/train_rloo.py \
     --safety_mode fix
 ```
 
-Rewards: `--reward_funcs count_words length` (built-ins in `safe_trainers.rewards`) or `my_module:my_reward`.
+Rewards: `--reward_funcs count_words length` (built-ins in `safe_trainers.scripts.rewards`) or `my_module:my_reward`.
 Run `python launch/train_rloo.py --help` for every option (TRL's `RLOOConfig` fields, `safety_*`, `nan_*`, model
 and dataset arguments).
 """
 
-from safe_trainers.scripts import main
+from safe_trainers.scripts.launch import main
 
 
 if __name__ == "__main__":

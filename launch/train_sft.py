@@ -28,7 +28,7 @@ Run `python launch/train_sft.py --help` for every option (TRL's `SFTConfig` fiel
 and dataset arguments).
 """
 
-from safe_trainers.scripts import main
+from safe_trainers.scripts.launch import main
 
 
 if __name__ == "__main__":

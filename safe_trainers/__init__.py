@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
         ("DPOTrainer", "GRPOTrainer", "KTOTrainer", "RLOOTrainer", "RewardTrainer", "SFTTrainer"), "trainers"
     ),
     **dict.fromkeys(("SafetyError", "TrainingDivergedError"), "errors"),
-    **dict.fromkeys(("Change", "Finding", "SafetyReport"), "report"),
+    **dict.fromkeys(("Change", "Finding", "SafetyReport"), "rules.report"),
     **dict.fromkeys(("DEFAULT_RULES", "Rule", "rule_ids"), "rules"),
 }
 
@@ -35,7 +35,7 @@ if _TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve 
     from .arguments import SafetyArguments
     from .configs import DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
     from .errors import SafetyError, TrainingDivergedError
-    from .report import Change, Finding, SafetyReport
+    from .rules.report import Change, Finding, SafetyReport
     from .rules import DEFAULT_RULES, Rule, rule_ids
     from .trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 

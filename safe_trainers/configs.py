@@ -13,7 +13,7 @@ import trl
 from .arguments import SafetyArguments, validate_safety_arguments
 from .errors import SafetyError
 from .kinds import get_kind
-from .report import Finding
+from .rules.report import Finding
 from .rules.grpo import GroupSize, group_size_problems
 
 

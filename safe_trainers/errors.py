@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from .report import Finding, OptOut
+    from .rules.report import Finding, OptOut
 
 
 class SafetyError(ValueError):
@@ -26,7 +26,7 @@ class SafetyError(ValueError):
     def __init__(
         self, findings: "tuple[Finding, ...] | list[Finding]", header: str | None = None, opt_out: "OptOut | None" = None
     ):
-        from .report import TRAINER_OPT_OUT
+        from .rules.report import TRAINER_OPT_OUT
 
         self.findings = tuple(findings)
         self.opt_out = opt_out or TRAINER_OPT_OUT

@@ -9,16 +9,16 @@ from typing import Any, ClassVar
 
 from transformers.trainer_callback import DefaultFlowCallback
 
-from .apply import apply_to_setup, apply_to_trainer
+from .rules.apply import apply_to_setup, apply_to_trainer
 from .arguments import SafetyArguments
 from .configs import config_class
-from .engine import new_report, run_stage, select_rules
+from .rules.engine import new_report, run_stage, select_rules
 from .guard import NanGuard, NanGuardCallback
 from .guard.trainer_hooks import NanGuardTrainerMixin
 from .kinds import get_kind
-from .report import SafetyReport
+from .rules.report import SafetyReport
 from .rules import BuiltTrainer
-from .setup import TrainerSetup, build_setup
+from .rules.context import TrainerSetup, build_setup
 
 
 logger = logging.getLogger("safe_trainers")

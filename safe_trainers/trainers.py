@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import trl
 
-from .generation import OnlineGenerationMixin
+from .guard.generation import OnlineGenerationMixin
 from .kinds import get_kind
 from .mixin import SafeTrainerMixin
 

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from safe_trainers.toy import save_toy_model  # noqa: E402
+from safe_trainers.testing.toy import save_toy_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from safe_trainers.configs import config_class
-from safe_trainers.faults import Fault, FaultInjector
+from safe_trainers.testing.faults import Fault, FaultInjector
 from safe_trainers.kinds import KINDS, get_kind
-from safe_trainers.toy import count_words_reward, dataset_for
+from safe_trainers.testing.toy import count_words_reward, dataset_for
 from safe_trainers.trainers import trainer_class
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from safe_trainers import SafetyArguments
-from safe_trainers.apply import apply_to_setup
+from safe_trainers.rules.apply import apply_to_setup
 from safe_trainers.configs import config_class
-from safe_trainers.engine import new_report, run_stage, select_rules
+from safe_trainers.rules.engine import new_report, run_stage, select_rules
 from safe_trainers.kinds import get_kind
 from safe_trainers.rules import DEFAULT_RULES
-from safe_trainers.setup import Hardware, TrainerSetup, resolve_model_class
-from safe_trainers.toy import model_config
+from safe_trainers.rules.context import Hardware, TrainerSetup, resolve_model_class
+from safe_trainers.testing.toy import model_config
 
 OUT = "safe-trainers-unused-output"  # configs are built, never trained: nothing is written here
 CPU = Hardware(accelerator="cpu", bf16_supported=True)

@@ -8,7 +8,7 @@ from trainer_utils import build
 
 from safe_trainers.cli.main import main
 from safe_trainers.cli.target import hold_target_fields, target_problems, target_values
-from safe_trainers.hardware import Hardware
+from safe_trainers.rules.hardware import Hardware
 
 
 # A 7B-style SFT recipe as published for 8 x A100/H100: TF32 matmuls, NCCL, bf16, gradient checkpointing.

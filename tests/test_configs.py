@@ -15,11 +15,11 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from safe_trainers import toy
-from safe_trainers.apply import apply_to_setup
+from safe_trainers.rules.apply import apply_to_setup
 from safe_trainers.arguments import SafetyArguments
-from safe_trainers.engine import new_report, run_stage, select_rules
-from safe_trainers.scripts import model_and_peft, parse_args
-from safe_trainers.setup import TrainerSetup, build_setup, load_deepspeed_config
+from safe_trainers.rules.engine import new_report, run_stage, select_rules
+from safe_trainers.scripts.launch import model_and_peft, parse_args
+from safe_trainers.rules.context import TrainerSetup, build_setup, load_deepspeed_config
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ import safe_trainers
 from safe_trainers import SafetyArguments, SafetyError
 from safe_trainers.kinds import KINDS as KIND_ROWS
 from safe_trainers.kinds import TRAINER_KINDS
-from safe_trainers.toy import count_words_reward, dataset_for
+from safe_trainers.testing.toy import count_words_reward, dataset_for
 
 KINDS = TRAINER_KINDS
 DEFAULT_MODEL = {k.id: "qwen2-rm" if k.model_task == "seq_cls" else "qwen2" for k in KIND_ROWS.values()}

@@ -14,7 +14,7 @@ from guard_utils import bad_reward_at_step, checkpoint_steps, guarded_trainer, n
 import trl
 
 import safe_trainers as st
-from safe_trainers.faults import Fault
+from safe_trainers.testing.faults import Fault
 from safe_trainers.mixin import SafeTrainerMixin
 from safe_trainers.guard import read_events
 
@@ -216,7 +216,7 @@ KILL_SCRIPT = r"""
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from guard_utils import guarded_trainer
-from safe_trainers.faults import Fault
+from safe_trainers.testing.faults import Fault
 
 class Killer:
     def __init__(self, trainer):

@@ -17,7 +17,7 @@ import pytest
 from guard_utils import nonfinite_in_checkpoints
 
 from safe_trainers.guard import read_events
-from safe_trainers.toy import save_toy_model
+from safe_trainers.testing.toy import save_toy_model
 
 
 pytestmark = pytest.mark.distributed

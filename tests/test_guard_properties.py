@@ -29,7 +29,7 @@ from hypothesis import strategies as st_
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import safe_trainers as st
-from safe_trainers.faults import Fault
+from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
 
 MAX_STEPS = 8

@@ -9,7 +9,7 @@ import torch
 from guard_utils import checkpoint_steps, guarded_trainer, read_json, weights_finite
 from transformers import TrainerCallback
 
-from safe_trainers.faults import Fault
+from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
 from safe_trainers.guard.policy import SpikeDetector, StepRecord, judge_window
 

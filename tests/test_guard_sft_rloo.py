@@ -20,7 +20,7 @@ from guard_utils import (
 )
 
 import safe_trainers as st
-from safe_trainers.faults import Fault
+from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
 
 

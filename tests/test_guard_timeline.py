@@ -25,10 +25,10 @@ from guard_utils import (
 
 import safe_trainers as st
 from safe_trainers.errors import NonFiniteWeightsError
-from safe_trainers.faults import Fault, FaultInjector
+from safe_trainers.testing.faults import Fault, FaultInjector
 from safe_trainers.guard import read_events
 from safe_trainers.mixin import SafeTrainerMixin
-from safe_trainers.toy import dataset_for
+from safe_trainers.testing.toy import dataset_for
 
 
 def final_lr(trainer) -> float:

@@ -8,8 +8,8 @@ from rule_utils import make_args
 
 import safe_trainers.openrlhf.models as shim_models
 from safe_trainers.cli.main import main
-from safe_trainers.families import family_from_name
-from safe_trainers.setup import build_setup
+from safe_trainers.rules.families import family_from_name
+from safe_trainers.rules.context import build_setup
 
 
 GEMMA2_RECIPE = """\

@@ -13,7 +13,7 @@ from safe_trainers.errors import SafetyError
 from safe_trainers.openrlhf import parse_command, sanitize, shim
 from safe_trainers.openrlhf.command import CommandView
 from safe_trainers.openrlhf.flags import resolve
-from safe_trainers.report import REMOVED, Change
+from safe_trainers.rules.report import REMOVED, Change
 
 
 PY = ["python", "-m"]

@@ -15,9 +15,9 @@ from safe_trainers.errors import SafetyError
 from safe_trainers.openrlhf import CommandError, Generation, generation_for_version, parse_command, sanitize, shim
 from safe_trainers.openrlhf.command import detect_generations
 from safe_trainers.openrlhf.flags import resolve
-from safe_trainers.families import family_from_name
-from safe_trainers.report import REMOVED, Change
-from safe_trainers.toy import save_toy_model
+from safe_trainers.rules.families import family_from_name
+from safe_trainers.rules.report import REMOVED, Change
+from safe_trainers.testing.toy import save_toy_model
 
 
 DS = ["deepspeed", "--module"]

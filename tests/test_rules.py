@@ -31,18 +31,18 @@ from safe_trainers import (
     SafetyReport,
     TrainingDivergedError,
 )
-from safe_trainers.apply import apply_to_setup, replace_args
-from safe_trainers.engine import new_report, run_stage, select_rules, skipped_findings
+from safe_trainers.rules.apply import apply_to_setup, replace_args
+from safe_trainers.rules.engine import new_report, run_stage, select_rules, skipped_findings
 from safe_trainers.kinds import TRAINER_KINDS
-from safe_trainers.report import REMOVED, Change, Finding
+from safe_trainers.rules.report import REMOVED, Change, Finding
 from safe_trainers.rules import DEFAULT_RULES, BuiltTrainer, get_rule, rule_ids
 from safe_trainers.rules.attention import is_flash, softcap_safe_implementation
 from safe_trainers.rules.data import kept_completion_tokens, rows_without_loss_tokens, token_counts
 from safe_trainers.rules.grpo import group_size_problems
 from safe_trainers.rules.optim import clipping_disabled
 from safe_trainers.rules.precision import FP16_OVERFLOW_FAMILIES, is_fp16, requested_dtype
-from safe_trainers.setup import Hardware, TrainerSetup, read_model_config, resolve_model_class
-from safe_trainers.toy import build_model, model_config
+from safe_trainers.rules.context import Hardware, TrainerSetup, read_model_config, resolve_model_class
+from safe_trainers.testing.toy import build_model, model_config
 
 from rule_utils import (  # tests/ is on sys.path, as for conftest
     CPU, CUDA_BF16, CUDA_NO_BF16, OUT, change_map, make_args, make_setup, run_setup_stage, settings,

@@ -12,7 +12,7 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from safe_trainers.rules import BuiltTrainer, get_rule
 from safe_trainers.rules.grpo import padded_vocab_ids, truncated_sampling
 from safe_trainers.rules.tokens import near_zero_rows, pad_candidates, template_token_ids
-from safe_trainers.toy import VOCAB_SIZE, build_model, build_tokenizer, model_config
+from safe_trainers.testing.toy import VOCAB_SIZE, build_model, build_tokenizer, model_config
 
 from rule_utils import change_map, make_args, make_setup, run_setup_stage
 
@@ -239,7 +239,7 @@ def test_gemma2_flash_kept_with_a_flash_attn_that_soft_caps():
     import dataclasses
 
     from rule_utils import make_args, make_setup
-    from safe_trainers.hardware import Hardware
+    from safe_trainers.rules.hardware import Hardware
     from safe_trainers.rules import get_rule
 
     rule = get_rule("attention.gemma2_no_flash")

@@ -13,11 +13,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from safe_trainers.hardware import Hardware, gpu_capability, run_cublas_probe
+from safe_trainers.rules.hardware import Hardware, gpu_capability, run_cublas_probe
 from safe_trainers.rules import get_rule
-from safe_trainers.hardware import cublas_at_risk, version_tuple
+from safe_trainers.rules.hardware import cublas_at_risk, version_tuple
 from safe_trainers.rules.precision import checkpoint_dtype, dtype_name, load_dtype
-from safe_trainers.toy import build_model, model_config
+from safe_trainers.testing.toy import build_model, model_config
 
 from rule_utils import CPU, CUDA_BF16, CUDA_NO_BF16, change_map, make_args, make_setup, run_setup_stage
 

@@ -1,4 +1,4 @@
-"""`safe_trainers.scripts` in-process: parse a YAML config plus overrides, load local data, train a few steps, save,
+"""`safe_trainers.scripts.launch` in-process: parse a YAML config plus overrides, load local data, train a few steps, save,
 and report; plus the dataset sources, the reward functions and the argument errors."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from datasets import Dataset, DatasetDict
 from safetensors.torch import load_file
 
 from safe_trainers import rewards, toy
-from safe_trainers.scripts import ScriptArguments, load_train_dataset, main, model_and_peft, parse_args
+from safe_trainers.scripts.launch import ScriptArguments, load_train_dataset, main, model_and_peft, parse_args
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -245,15 +245,15 @@ def test_unknown_reward_name_lists_the_builtins():
     with pytest.raises(ValueError, match="Could not import module `no_such_module_xyz`"):
         rewards.load_reward_func("no_such_module_xyz:reward")
     with pytest.raises(ValueError, match="no callable `nothing_here`"):
-        rewards.load_reward_func("safe_trainers.rewards:nothing_here")
+        rewards.load_reward_func("safe_trainers.scripts.rewards:nothing_here")
     with pytest.raises(ValueError, match="`reward_funcs` is empty"):
         rewards.load_reward_funcs([])
 
 
 def test_builtin_rewards():
     assert rewards.load_reward_func("count_words") is rewards.count_words
-    assert rewards.load_reward_func("safe_trainers.rewards:length") is rewards.length
-    assert rewards.load_reward_func("safe_trainers.rewards.length") is rewards.length
+    assert rewards.load_reward_func("safe_trainers.scripts.rewards:length") is rewards.length
+    assert rewards.load_reward_func("safe_trainers.scripts.rewards.length") is rewards.length
     assert rewards.count_words(["yes good good", "no bad", "cat"]) == [3.0, -2.0, 0.0]
     chat = [[{"role": "assistant", "content": "yes good"}]]
     assert rewards.count_words(chat) == [2.0]

@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from safe_trainers import SafetyError, SFTConfig, SFTTrainer
-from safe_trainers.toy import dataset_for
+from safe_trainers.testing.toy import dataset_for
 from trainer_utils import actions, snapshot, train_losses  # tests/ is on sys.path, as for conftest
 
 

@@ -27,7 +27,7 @@ from safe_trainers import (
     SafetyError,
 )
 from safe_trainers.kinds import KINDS, TRAINER_KINDS
-from safe_trainers.toy import dataset_for
+from safe_trainers.testing.toy import dataset_for
 
 from trainer_utils import (  # tests/ is on sys.path, as for conftest
     CONFIGS, DEFAULT_MODEL, TRAINERS, actions, build, changed, config_kwargs, rank_reward, read_report, snapshot,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from safe_trainers.toy import build_model, build_tokenizer, save_toy_model
+from safe_trainers.testing.toy import build_model, build_tokenizer, save_toy_model
 
 from trainer_utils import actions, build, rank_reward, train_losses  # tests/ is on sys.path, as for conftest
 

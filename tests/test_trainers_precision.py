@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
-from safe_trainers.toy import build_model, build_tokenizer
+from safe_trainers.testing.toy import build_model, build_tokenizer
 
 from trainer_utils import actions, build, train_losses  # tests/ is on sys.path, as for conftest
 

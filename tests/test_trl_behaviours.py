@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from safe_trainers.configs import config_class
 from safe_trainers.kinds import KINDS
 from safe_trainers.trainers import trainer_class
-from safe_trainers.toy import dataset_for
+from safe_trainers.testing.toy import dataset_for
 
 
 IMPLS = ["trl", "safe"]

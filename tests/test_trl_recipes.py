@@ -12,7 +12,7 @@ import trl.rewards
 
 from safe_trainers import rewards, toy
 from safe_trainers.cli.main import main as cli
-from safe_trainers.scripts import main
+from safe_trainers.scripts.launch import main
 
 
 QUICK = [

@@ -28,7 +28,7 @@ from datasets import DatasetDict
 from safetensors.torch import load_file
 
 from safe_trainers.kinds import KINDS, TRAINER_KINDS
-from safe_trainers.toy import dataset_for, save_toy_model
+from safe_trainers.testing.toy import dataset_for, save_toy_model
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from conftest import cpu_args
 
 from safe_trainers.configs import config_class
 from safe_trainers.kinds import KINDS
-from safe_trainers.toy import dataset_for
+from safe_trainers.testing.toy import dataset_for
 from safe_trainers.trainers import trainer_class
 
 

@@ -105,7 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def target_hardware(ns: argparse.Namespace):
     """The [`Hardware`] the lint assumes: the named target, this machine (`local`), or the default GPU."""
-    from ..hardware import Hardware
+    from ..rules.hardware import Hardware
 
     name = ns.target_hardware
     if name is not None and name.strip().lower() == "local":
@@ -133,15 +133,15 @@ def run(ns: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes drown the report
-    from ..apply import apply_to_setup
+    from ..rules.apply import apply_to_setup
     from ..arguments import SafetyArguments
     from ..configs import config_class as kind_config
-    from ..engine import new_report, run_stage, select_rules
+    from ..rules.engine import new_report, run_stage, select_rules
     from ..errors import SafetyError
     from ..kinds import get_kind
-    from ..rewards import reward_name_problem
-    from ..scripts import has_accelerator, model_and_peft, parse_args
-    from ..setup import build_setup
+    from ..scripts.rewards import reward_name_problem
+    from ..scripts.launch import has_accelerator, model_and_peft, parse_args
+    from ..rules.context import build_setup
     from . import target
 
     overrides = list(ns.passthrough)

@@ -17,6 +17,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..demo import run_demo
+    from .demo_run import run_demo
 
     return run_demo(ns.output_dir, steps=ns.steps, compare=not ns.no_compare)

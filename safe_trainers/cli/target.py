@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..hardware import BF16_MIN_CAPABILITY, Hardware, gpu_capability
+from ..rules.hardware import BF16_MIN_CAPABILITY, Hardware, gpu_capability
 
 
 # Fields transformers validates against the machine that parses the config; `check` judges them for the target.

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..report import REMOVED, Change
+from ..rules.report import REMOVED, Change
 from .flags import (
     ATTN_IMPL, DOTTED, GENERATIONS, LEGACY, PARAM_DTYPE, Generation, flag_kind, flags_for, fits_dotted,
     known_flags, resolve,

@@ -1,7 +1,7 @@
 """What the rules need to know about the models of a command: family and attention soft-capping.
 
 A local checkpoint directory is read through its `config.json` (no transformers import, no network); a Hub id or a
-path that does not exist here is recognised from its name by the package's one family table (`safe_trainers.families`:
+path that does not exist here is recognised from its name by the package's one family table (`safe_trainers.rules.families`:
 "Qwen/Qwen2-7B" -> `qwen2`, "google/gemma-2-2b-it" -> `gemma2`).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..families import family_from_name
+from ..rules.families import family_from_name
 
 
 # Qwen2-architecture model types (Qwen1.5, Qwen2, Qwen2.5, QwQ and the R1 distills all use `qwen2`).

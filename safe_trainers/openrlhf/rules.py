@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..report import REMOVED, Change, Finding
+from ..rules.report import REMOVED, Change, Finding
 from ..rules.attention import is_flash
 from ..rules.base import Rule
 from ..rules.optim import DEFAULT_MAX_GRAD_NORM, SANE_GRAD_NORM, clipping_disabled

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 from typing import Any, TextIO
 
 from ..arguments import SAFETY_MODES
-from ..engine import run_stage, skipped_findings
+from ..rules.engine import run_stage, skipped_findings
 from ..errors import SafetyError
-from ..report import SHIM_OPT_OUT, Finding, SafetyReport
+from ..rules.report import SHIM_OPT_OUT, Finding, SafetyReport
 from ..rules.base import Rule
 from .command import (
     CommandError, CommandView, OpenRLHFCommand, apply_changes, detect_generations, model_paths, parse_command,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from packaging.version import InvalidVersion, Version
 
-from ..report import Change, Finding
+from .report import Change, Finding
 from .base import Rule
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..kinds import TRAINER_KINDS
-from ..report import Change, Finding
+from .report import Change, Finding
 
 
 ALL_TRAINERS = frozenset(TRAINER_KINDS)

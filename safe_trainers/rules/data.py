@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..report import Change, Finding
+from .report import Change, Finding
 from . import data_sft
 from .base import BuiltTrainer, Rule
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..report import Finding
+from .report import Finding
 from .base import Rule
 
 

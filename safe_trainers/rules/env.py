@@ -6,8 +6,8 @@ it is pure and testable anywhere.
 
 from __future__ import annotations
 
-from ..hardware import cublas_at_risk
-from ..report import Finding
+from .hardware import cublas_at_risk
+from .report import Finding
 from .base import Rule
 from .precision import half_precision_in_use
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..report import Change, Finding
+from .report import Change, Finding
 from .base import Rule
 from .tokens import text_tokenizer
 

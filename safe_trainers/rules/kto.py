@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..report import Finding
+from .report import Finding
 from .base import Rule
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..report import Change, Finding
+from .report import Change, Finding
 from .base import Rule
 
 

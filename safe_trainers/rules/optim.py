@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..report import REMOVED, Change, Finding
+from .report import REMOVED, Change, Finding
 from .base import Rule
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..report import Change, Finding
+from .report import Change, Finding
 from .base import BuiltTrainer, Rule
 from .precision import checkpoint_dtype, dtype_changes, fp16_trainable_parameters, is_fp16, requested_dtype
 

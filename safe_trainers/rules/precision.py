@@ -4,7 +4,7 @@ no trainable parameter left in fp16."""
 from __future__ import annotations
 
 
-from ..report import REMOVED, Change, Finding
+from .report import REMOVED, Change, Finding
 from .base import BuiltTrainer, Rule
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from ..report import Change, Finding
+from .report import Change, Finding
 from .base import BuiltTrainer, Rule
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import safe_trainers as st  # noqa: E402
 from guard_utils import TRAINERS, guarded_trainer, recording  # noqa: E402
-from safe_trainers.faults import Fault  # noqa: E402
+from safe_trainers.testing.faults import Fault  # noqa: E402
 from safe_trainers.kinds import TRAINER_KINDS  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def parse(argv=None):
     parser.add_argument("--kind", default="dpo", choices=TRAINER_KINDS)
     parser.add_argument("--fault", action="append", default=[], help="kind:step[:rank[:value[:micro_batch]]]")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--model", required=True, help="a saved toy model (safe_trainers.toy.save_toy_model)")
+    parser.add_argument("--model", required=True, help="a saved toy model (safe_trainers.testing.toy.save_toy_model)")
     parser.add_argument("--deepspeed", default=None)
     parser.add_argument("--max_steps", type=int, default=8)
     parser.add_argument("--max_rollbacks", type=int, default=3)

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
-from .faults import Fault, FaultInjector
-from .guard import read_events
-from .guard.checkpoint import checkpoints
+from ..testing.faults import Fault, FaultInjector
+from ..guard import read_events
+from ..guard.checkpoint import checkpoints
 
 
 class StepPrinter(TrainerCallback):
@@ -39,8 +39,8 @@ def run_demo(output_dir: str | None = None, steps: int = 12, compare: bool = Tru
     """Run the demo; return 0 when the guarded run ends with finite weights and clean checkpoints."""
     from transformers.utils import logging as hf_logging
 
-    from . import DPOConfig, DPOTrainer
-    from .toy import dataset_for, save_toy_model
+    from .. import DPOConfig, DPOTrainer
+    from ..testing.toy import dataset_for, save_toy_model
 
     import datasets
 

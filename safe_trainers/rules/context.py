@@ -17,7 +17,7 @@ from typing import Any
 from .families import family_from_name
 from .hardware import Hardware
 
-from .kinds import TRAINER_KINDS, get_kind  # noqa: F401 (`TRAINER_KINDS` re-exported)
+from ..kinds import TRAINER_KINDS, get_kind  # noqa: F401 (`TRAINER_KINDS` re-exported)
 
 
 # Trainers whose construction-time rules read the tokenizer (pad token of reward models; vocabulary of online RL).
@@ -164,7 +164,7 @@ def read_model_config(model: Any, trust_remote_code: bool = False, revision: str
 
 def config_from_name(model: Any) -> tuple[Any, str | None]:
     """For a model path or id whose `config.json` cannot be read: the default config of the family its name says
-    (see [`~safe_trainers.families.family_from_name`]) and that family, or `(None, None)`."""
+    (see [`~safe_trainers.rules.families.family_from_name`]) and that family, or `(None, None)`."""
     family = family_from_name(model) if isinstance(model, str) else None
     if family is None:
         return None, None

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .toy import count_words_reward
+from ..testing.toy import count_words_reward
 
 
 RewardFunc = Callable[..., list[float]]

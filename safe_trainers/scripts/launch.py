@@ -21,8 +21,8 @@ import trl
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from . import toy
-from .kinds import TrainerKind, get_kind
+from ..testing import toy
+from ..kinds import TrainerKind, get_kind
 from .rewards import BUILTIN_REWARDS, TRL_REWARDS, load_reward_funcs
 
 
@@ -45,7 +45,7 @@ class ScriptArguments(trl.ScriptArguments, trl.DatasetMixtureConfig):
     Args:
         reward_funcs (`list[str]`, *optional*, defaults to `["count_words"]`):
             GRPO and RLOO reward functions: built-in names (`count_words`, `length`, `format`, see
-            `safe_trainers.rewards`), TRL's reward names (`accuracy_reward`, `think_format_reward`, ...),
+            `safe_trainers.scripts.rewards`), TRL's reward names (`accuracy_reward`, `think_format_reward`, ...),
             `module:function` or dotted paths to your own functions, or local reward-model directories.
     """
 
@@ -77,7 +77,7 @@ def make_parser(kind: str, config_class: type | None = None) -> TrlParser:
     """TRL's parser over `(ScriptArguments, <safe config of kind>, ModelConfig)`. Without an accelerator, `use_cpu`
     defaults to `True` (a `--config` file or the command line can still set it). `config_class` replaces the safe
     config class (`safe-trainers check` parses with one sized for the target's processes)."""
-    from .configs import config_class as kind_config
+    from ..configs import config_class as kind_config
 
     parser = TrlParser((ScriptArguments, config_class or kind_config(kind), ModelConfig), prog=f"train_{kind}")
     if not has_accelerator():
@@ -277,7 +277,7 @@ def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, m
         kwargs["eval_dataset"] = load_split(kind, script_args, script_args.dataset_test_split)
     if row.online:
         kwargs["reward_funcs"] = load_reward_funcs(script_args.reward_funcs)
-    from .trainers import trainer_class
+    from ..trainers import trainer_class
 
     return trainer_class(kind)(**kwargs)
 

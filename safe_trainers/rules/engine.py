@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TypeVar
 
-from .arguments import SafetyArguments
-from .errors import SafetyError
+from ..arguments import SafetyArguments
+from ..errors import SafetyError
 from .report import TRAINER_OPT_OUT, Finding, OptOut, SafetyReport
-from .rules import DEFAULT_RULES, Rule
+from . import DEFAULT_RULES, Rule
 
 
 T = TypeVar("T")

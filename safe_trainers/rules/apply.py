@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .report import REMOVED, Change, Finding
-from .setup import TrainerSetup
+from .context import TrainerSetup
 
 
 def apply_to_setup(setup: TrainerSetup, finding: Finding) -> TrainerSetup:
@@ -114,7 +114,7 @@ def _train_modules(trainer: Any, change: Change, data: dict) -> None:
 
 
 def _mean_embedding_rows(trainer: Any, change: Change, data: dict) -> None:
-    from .rules.tokens import embedding_matrices, set_rows_to_mean
+    from .tokens import embedding_matrices, set_rows_to_mean
 
     # The reference model starts as a copy of the policy: give it the same rows, so the KL term starts at 0.
     for model in (trainer.model, getattr(trainer, "ref_model", None)):

@@ -3,7 +3,7 @@
 `FaultInjector` is a `TrainerCallback`. Each fault fires at one optimizer step, optionally on one rank only:
 
 ```python
-from safe_trainers.faults import Fault, FaultInjector
+from safe_trainers.testing.faults import Fault, FaultInjector
 
 trainer.add_callback(FaultInjector([Fault(step=6, kind="loss"), Fault(step=9, kind="grad", rank=1)]))
 ```

@@ -13,7 +13,7 @@ from typing import Literal
 
 from datasets import Dataset
 
-from .kinds import get_kind
+from ..kinds import get_kind
 
 
 Family = Literal["qwen2", "llama", "gemma2", "gemma3"]

@@ -1,0 +1,1 @@
+"""Test and demo tools: tiny models and toy datasets built locally (no network), and fault injection for the guard."""
