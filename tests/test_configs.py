@@ -14,7 +14,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from safe_trainers import toy
+from safe_trainers.testing import toy
 from safe_trainers.rules.apply import apply_to_setup
 from safe_trainers.arguments import SafetyArguments
 from safe_trainers.rules.engine import new_report, run_stage, select_rules

@@ -12,7 +12,8 @@ import torch
 from datasets import Dataset, DatasetDict
 from safetensors.torch import load_file
 
-from safe_trainers import rewards, toy
+from safe_trainers.scripts import rewards
+from safe_trainers.testing import toy
 from safe_trainers.scripts.launch import ScriptArguments, load_train_dataset, main, model_and_peft, parse_args
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import trl.rewards
 
-from safe_trainers import rewards, toy
+from safe_trainers.scripts import rewards
+from safe_trainers.testing import toy
 from safe_trainers.cli.main import main as cli
 from safe_trainers.scripts.launch import main
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trl
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from ..testing import toy
 from ..kinds import TrainerKind, get_kind
+from ..testing import toy
+from .data import load_split, load_train_dataset
 from .rewards import BUILTIN_REWARDS, TRL_REWARDS, load_reward_funcs
 
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("safe_trainers")
 
 TOY_MODEL_DIRNAME = "toy-model"
-DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 @dataclass
@@ -140,57 +139,6 @@ def model_and_peft(kind: str, model_args: ModelConfig, training_args: Any) -> tu
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
     return model_args.model_name_or_path, training_args, get_peft_config(model_args)
-
-
-def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
-    """One split of the dataset named by `script_args.dataset_name`: a hub id (`datasets.load_dataset`), a local JSON,
-    JSONL or Parquet file (its rows form split `split`), a `save_to_disk` folder, or any folder `load_dataset` reads.
-    A `datasets:` mixture ([`~trl.DatasetMixtureConfig`]) wins over `dataset_name`, as in TRL's scripts. With neither,
-    the deterministic toy dataset for `kind`."""
-    get_kind(kind)
-    if script_args.datasets:  # a `datasets:` mixture, loaded as TRL's scripts load it
-        return _mixture_split(script_args, split)
-    name = script_args.dataset_name
-    if not name:
-        return toy.dataset_for(kind)
-    extension = os.path.splitext(name)[1].lower()
-    if os.path.isfile(name):
-        if extension not in DATA_FILE_BUILDERS:
-            raise ValueError(
-                f"`dataset_name={name!r}` is a file with an unsupported extension {extension!r}. Use a "
-                f"{', '.join(DATA_FILE_BUILDERS)} file, a `save_to_disk` folder or a dataset id."
-            )
-        return load_dataset(DATA_FILE_BUILDERS[extension], data_files={split: name}, split=split)
-    if os.path.isdir(name) and _is_saved_to_disk(name):
-        dataset = load_from_disk(name)
-        if isinstance(dataset, DatasetDict):
-            if split not in dataset:
-                raise ValueError(
-                    f"The dataset saved at {name!r} has no split {split!r}; its splits are {list(dataset)}. Set "
-                    "`dataset_train_split` (or `dataset_test_split`) to one of them."
-                )
-            return dataset[split]
-        return dataset
-    return load_dataset(name, name=script_args.dataset_config, split=split, streaming=script_args.dataset_streaming)
-
-
-def _mixture_split(script_args: ScriptArguments, split: str) -> Dataset:
-    mixture = trl.get_dataset(script_args)
-    if split not in mixture:
-        raise ValueError(
-            f"The `datasets` mixture has no split {split!r}; its splits are {list(mixture)}. Set `dataset_train_split` "
-            "(or `dataset_test_split`) to one of them, or `test_split_size` to split off a test set."
-        )
-    return mixture[split]
-
-
-def load_train_dataset(kind: str, script_args: ScriptArguments) -> Dataset:
-    """The training split (`script_args.dataset_train_split`); see [`load_split`] for the accepted sources."""
-    return load_split(kind, script_args, script_args.dataset_train_split)
-
-
-def _is_saved_to_disk(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
 
 
 def use_toy_defaults(kind: str, script_args: ScriptArguments, model_args: ModelConfig, training_args: Any) -> bool:
