@@ -1,19 +1,13 @@
 """`NanGuard`: keeps non-finite updates out of the weights and rolls back to the last good state.
 
-Per optimizer step (hot path, no host-device synchronisation):
-  * each micro-batch loss is folded into a device flag (`observe_loss`);
-  * after gradient clipping, the flag is combined with the gradient norm, agreed across ranks with one small
-    all-reduce, and kept on the device (`end_of_step`);
-  * before `optimizer.step()` the flag is handed to the optimizer (`apply_skip`): fused torch optimizers take it as
-    `found_inf` and skip the update on the device, weights and optimizer state untouched. Other optimizers fall back to
-    one host read of the flag and drop the gradients. Under DeepSpeed the engine skips non-finite steps itself.
-With an fp16 loss scaler, a step with a finite loss and non-finite gradients is the scaler's overflow: the scaler skips
-it and lowers its scale; the guard records it and leaves it alone.
+Per optimizer step, with no host-device synchronisation, [`StepFlags`] keeps a device fault flag (losses and gradient
+norm, agreed across ranks), and `apply_skip` hands it to the optimizer before `optimizer.step()`: fused torch
+optimizers take it as `found_inf` and skip the update on the device; other optimizers fall back to one host read and
+drop the gradients; DeepSpeed skips non-finite steps itself. An fp16 loss scaler's overflow is recorded, not a fault.
 
-At inspection points (steps where the trainer logs, saves or evaluates, the last step, and every
-`nan_snapshot_steps`), the flags are read back in one transfer and judged by the pure policy (`policy.judge_window`).
-The timeline never rewinds: `global_step`, the data position, the LR schedule, the loss scaler and the token counters
-go on through a rollback, which only puts the weights and optimizer state of the last snapshot back (see README).
+At inspection points (log, save, evaluation, the last step, every `nan_snapshot_steps`) the flags are read back in
+one transfer and judged by the pure policy (`policy.judge_window`). The timeline never rewinds: a rollback puts back
+only the weights and optimizer state of the last snapshot (see `recovery.py`).
 """
 
 from __future__ import annotations
@@ -25,14 +19,17 @@ from typing import Any
 import torch
 
 from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
-from .collectives import agree_any, ranks_with_flag
+from .collectives import ranks_with_flag
 from .events import EventLog, NanEvent
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
-from .policy import SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, unexplained_overflows
+from .policy import (
+    SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows,
+)  # fmt: skip
 from .recovery import abort, record_overflows, record_skips, refuse_save, restore_at_end, roll_back
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
+from .step_flags import StepFlags, loss_scale
 
 logger = logging.getLogger("safe_trainers")
 
@@ -58,12 +55,9 @@ class NanGuard:
         self.snapshotter: Snapshotter | None = None
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._loss_scaled = False
+        self.flags = StepFlags()
         self._consecutive = 0
-        self._fault_now: torch.Tensor | None = None
         self._refresh_best = False
-        self._reset_step()
 
     # ------------------------------------------------------------------ lifecycle
     def start_run(self, resume_from: str | None) -> None:
@@ -99,13 +93,12 @@ class NanGuard:
                     "`nan_guard=True` supports DeepSpeed ZeRO stages 1, 2 and 3, got stage 0. Use ZeRO, or plain DDP, "
                     "or set `nan_guard=False`."
                 )
-            self._loss_scaled = bool(trainer.model_wrapped.fp16_enabled())
+            loss_scaled = bool(trainer.model_wrapped.fp16_enabled())
         else:
-            self._loss_scaled = trainer.accelerator.scaler is not None
+            loss_scaled = trainer.accelerator.scaler is not None
         self.snapshotter = Snapshotter(trainer.model, optimizer, stage)
-        self._pending.clear()
+        self.flags = StepFlags(loss_scaled)
         self.batches.clear()
-        self._reset_step()
         if not self.state_is_finite():
             raise ValueError(
                 f"The model's weights or optimizer state are already non-finite before the first step (rank(s) "
@@ -138,55 +131,30 @@ class NanGuard:
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Fold one micro-batch loss (as `training_step` returns it) into the step's flag and sums."""
-        value = loss.detach().float()
-        bad = ~torch.isfinite(value).all()
-        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
-        value = value.sum()
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self.flags.observe_loss(loss)
         self.ledger.add_micro_batch(loss)
 
     def end_of_step(self, grad_norm: Any) -> torch.Tensor:
         """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag."""
-        device = self.trainer.args.device
-        local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
-        norm = (
-            grad_norm
-            if torch.is_tensor(grad_norm)
-            else torch.tensor(float("nan") if grad_norm is None else float(grad_norm), device=device)
-        )
-        norm = norm.detach().float().to(local.device)
-        norm_bad = ~torch.isfinite(norm)
-        if self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None:
-            # DeepSpeed has already stepped (inside `backward`); it skips steps with non-finite gradients.
-            skipped = bool(self.trainer.accelerator.optimizer_step_was_skipped)
-            norm_bad = norm_bad | torch.tensor(skipped, device=local.device)
-        # One all-reduce for both flags: [any rank's loss non-finite, gradient non-finite].
-        agreed = agree_any(torch.stack([local, norm_bad]))
-        loss_bad_any, norm_bad_any = agreed[0], agreed[1]
-        if self._loss_scaled:
-            fault = loss_bad_any
-            overflow = norm_bad_any & ~loss_bad_any
-        else:
-            fault = loss_bad_any | norm_bad_any
-            overflow = torch.zeros_like(fault)
-        loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
+        # DeepSpeed has already stepped (inside `backward`); it skips steps with non-finite gradients itself.
+        deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
+        skipped = deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)
         step = self.trainer.state.global_step + 1
-        self._pending.append((step, fault, local, loss, norm, overflow))
+        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, optimizer_skipped=skipped)
         self.batches.end_step(step)
         self.ledger.end_step(fault)
-        self._fault_now = fault
-        self._reset_step()
         return fault
 
     def apply_skip(self, optimizer: Any) -> None:
         """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
-        if self._fault_now is None or (self.snapshotter and self.snapshotter.deepspeed_stage is not None):
+        fault = self.flags.fault_now
+        if fault is None or (self.snapshotter and self.snapshotter.deepspeed_stage is not None):
             return
         inner = getattr(optimizer, "optimizer", optimizer)
-        if getattr(inner, "_step_supports_amp_scaling", False) and not self._loss_scaled:
+        if getattr(inner, "_step_supports_amp_scaling", False) and not self.flags.loss_scaled:
             # Fused optimizers skip on the device when `found_inf` is set, and undo their step counter.
-            inner.found_inf = self._fault_now.to(torch.float32)
-        elif bool(self._fault_now):  # one host read: this optimizer cannot skip on the device
+            inner.found_inf = fault.to(torch.float32)
+        elif bool(fault):  # one host read: this optimizer cannot skip on the device
             for group in inner.param_groups:
                 for param in group["params"]:
                     param.grad = None
@@ -204,9 +172,9 @@ class NanGuard:
         self._refresh_best_fields()
         snapshot_due = step % self.settings.nan_snapshot_steps == 0
         publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
-        publishing = publishing or _syncs_reference_model(trainer.args, step)
+        publishing = publishing or syncs_reference_model(trainer.args, step)
         verdict = None
-        if control.should_log or publishing or snapshot_due or len(self._pending) >= self.settings.nan_snapshot_steps:
+        if control.should_log or publishing or snapshot_due or len(self.flags.pending) >= self.settings.nan_snapshot_steps:
             verdict = self.inspect(control, verify=publishing or snapshot_due, snapshot=publishing or snapshot_due)
         if control.should_log and step > trainer._globalstep_last_logged:  # the Trainer logs this step
             trainer._guard_window_loss = self.ledger.close_window()
@@ -236,11 +204,12 @@ class NanGuard:
 
     def inspect(self, control: Any, verify: bool = False, snapshot: bool = False) -> Verdict | None:
         """Read the pending flags, record skips, roll back or abort if needed, take a snapshot when asked."""
-        if not self._pending and not verify:
+        if not self.flags.pending and not verify:
             return None
-        records = self._read_pending()
+        records = self.flags.read()
         if any(r.overflow for r in records):
-            records = unexplained_overflows(records, self._loss_scale())
+            deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
+            records = unexplained_overflows(records, loss_scale(self.trainer, deepspeed))
         any_bad = any(r.bad for r in records)
         state_finite = self.state_verified() if (any_bad or verify) else True
         verdict = judge_window(
@@ -264,22 +233,6 @@ class NanGuard:
             # Only right after an applied, non-spiking step: a rollback then restores the state before the fault.
             self.take_snapshot()
         return verdict
-
-    def _read_pending(self) -> list[StepRecord]:
-        pending, self._pending = self._pending, []
-        if not pending:
-            return []
-        local = torch.stack([p[2] for p in pending])
-        table = torch.stack(
-            [torch.stack([p[1].float(), p[3].float(), p[4].float(), p[5].float()]) for p in pending]
-        ).cpu()  # the one device-to-host transfer of an inspection
-        bad = [bool(flag) for flag in table[:, 0].tolist()]
-        losses, norms, overflow = table[:, 1].tolist(), table[:, 2].tolist(), table[:, 3].tolist()
-        ranks = ranks_with_flag(local) if any(bad) else [[] for _ in pending]
-        return [
-            StepRecord(p[0], loss, norm, b, tuple(r), bool(o))
-            for p, loss, norm, b, r, o in zip(pending, losses, norms, bad, ranks, overflow)
-        ]
 
     def state_is_finite(self) -> bool:
         """Whether the weights and optimizer state are finite on every rank (a collective and a host sync).
@@ -326,20 +279,6 @@ class NanGuard:
         self.events.add(NanEvent(self.trainer.state.global_step + 1, "reward", ["rewards"], [], detail))
 
     # ------------------------------------------------------------------ helpers
-    def _loss_scale(self) -> float | None:
-        """The loss scaler's current scale (a host read; only at an inspection that found overflows)."""
-        trainer = self.trainer
-        if self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None:
-            optimizer = trainer.model_wrapped.optimizer
-            scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
-            return float(scale) if scale is not None else None
-        scaler = trainer.accelerator.scaler
-        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
-
-    def _reset_step(self) -> None:
-        self._loss_bad: torch.Tensor | None = None
-        self._loss_sum: torch.Tensor | None = None
-
     def _localize(self, step: int | None) -> dict[str, Any] | None:
         batches = self.batches.get(step)
         if not batches:  # every rank holds the batches of the same steps, so all ranks return here together
@@ -350,12 +289,6 @@ class NanGuard:
             return diagnose(self.trainer, batches, step)
         finally:
             self.replaying = False
-
-
-def _syncs_reference_model(args: Any, step: int) -> bool:
-    """TRL mixes the policy into the reference model at this step (`sync_ref_model`): it must be verified first."""
-    every = max(getattr(args, "ref_model_sync_steps", 1), 1)
-    return bool(getattr(args, "sync_ref_model", False)) and step % every == 0
 
 
 __all__ = ["NanGuard"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -201,3 +201,9 @@ def unexplained_overflows(records: list[StepRecord], loss_scale: float | None) -
 def can_roll_back(rollbacks_done: int, max_rollbacks: int) -> bool:
     """Whether one more rollback is allowed (`max_rollbacks=0` means: never roll back, abort at the first fault)."""
     return rollbacks_done < max_rollbacks
+
+
+def syncs_reference_model(args: Any, step: int) -> bool:
+    """TRL mixes the policy into the reference model at this step (`sync_ref_model`): it must be verified first."""
+    every = max(getattr(args, "ref_model_sync_steps", 1), 1)
+    return bool(getattr(args, "sync_ref_model", False)) and step % every == 0

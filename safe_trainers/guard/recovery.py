@@ -38,7 +38,7 @@ def restore_last_good(guard: NanGuard) -> tuple[int, float]:
     guard.state.discarded_steps += trainer.state.global_step - snap.step
     guard.verified_step = trainer.state.global_step  # the restored state was verified when it was taken
     guard._consecutive = 0
-    guard._pending.clear()
+    guard.flags.clear()
     guard.batches.clear()
     if guard.spike is not None:
         guard.spike.reset()

@@ -1,0 +1,121 @@
+"""The guard's per-step hot path: device flags for each optimizer step, read back only at inspections.
+
+Every micro-batch loss is folded into a device flag; after gradient clipping the flag is combined with the gradient
+norm and agreed across ranks with one small all-reduce. Nothing here reads a tensor on the host: the flags of the
+steps not yet inspected wait on the device as [`PendingStep`] records, and [`StepFlags.read`] brings them back in one
+transfer when the guard inspects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .collectives import agree_any, ranks_with_flag
+from .policy import StepRecord
+
+
+class PendingStep(NamedTuple):
+    """The device flags of one optimizer step, kept until the next inspection.
+
+    Args:
+        step (`int`): the optimizer step (1-based, as `global_step` after it).
+        fault (`torch.Tensor`): any rank's loss non-finite, or (without a loss scaler) the gradient non-finite.
+        local (`torch.Tensor`): this rank's loss non-finite.
+        loss (`torch.Tensor`): the sum of this rank's micro-batch losses.
+        grad_norm (`torch.Tensor`): the (world-reduced) gradient norm.
+        overflow (`torch.Tensor`): the loss scaler's overflow (finite loss, non-finite gradients under fp16).
+    """
+
+    step: int
+    fault: torch.Tensor
+    local: torch.Tensor
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    overflow: torch.Tensor
+
+
+class StepFlags:
+    """Folds the losses and gradient norm of each step into device flags (see the module docstring).
+
+    Args:
+        loss_scaled (`bool`): an fp16 loss scaler is active: non-finite gradients with a finite loss are its
+            overflows (it skips the step itself), not faults.
+    """
+
+    def __init__(self, loss_scaled: bool = False):
+        self.loss_scaled = loss_scaled
+        self.pending: list[PendingStep] = []
+        self.fault_now: torch.Tensor | None = None
+        self._loss_bad: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Fold one micro-batch loss (as `training_step` returns it) into the step's flag and sum."""
+        value = loss.detach().float()
+        bad = ~torch.isfinite(value).all()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        value = value.sum()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+
+    def end_step(self, step: int, grad_norm: Any, device: Any, optimizer_skipped: bool = False) -> torch.Tensor:
+        """Close step `step`: combine the loss flag with the gradient norm, agree across ranks (one all-reduce), keep
+        the record, and return the device fault flag. `optimizer_skipped`: DeepSpeed already skipped this step."""
+        local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
+        norm = (
+            grad_norm
+            if torch.is_tensor(grad_norm)
+            else torch.tensor(float("nan") if grad_norm is None else float(grad_norm), device=device)
+        )
+        norm = norm.detach().float().to(local.device)
+        norm_bad = ~torch.isfinite(norm)
+        if optimizer_skipped:
+            norm_bad = norm_bad | torch.tensor(True, device=local.device)
+        agreed = agree_any(torch.stack([local, norm_bad]))  # [any rank's loss non-finite, gradient non-finite]
+        loss_bad_any, norm_bad_any = agreed[0], agreed[1]
+        if self.loss_scaled:
+            fault, overflow = loss_bad_any, norm_bad_any & ~loss_bad_any
+        else:
+            fault = loss_bad_any | norm_bad_any
+            overflow = torch.zeros_like(fault)
+        loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
+        self.pending.append(PendingStep(step, fault, local, loss, norm, overflow))
+        self.fault_now = fault
+        self._loss_bad = self._loss_sum = None
+        return fault
+
+    def read(self) -> list[StepRecord]:
+        """The pending steps as [`StepRecord`]s, in one device-to-host transfer (and, only when a step is bad, one
+        collective naming the ranks whose loss was non-finite); the pending list is emptied."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return []
+        table = torch.stack(
+            [torch.stack([p.fault.float(), p.loss.float(), p.grad_norm.float(), p.overflow.float()]) for p in pending]
+        ).cpu()
+        bad = [bool(flag) for flag in table[:, 0].tolist()]
+        losses, norms, overflow = table[:, 1].tolist(), table[:, 2].tolist(), table[:, 3].tolist()
+        ranks = ranks_with_flag(torch.stack([p.local for p in pending])) if any(bad) else [[] for _ in pending]
+        return [
+            StepRecord(p.step, loss, norm, b, tuple(r), bool(o))
+            for p, loss, norm, b, r, o in zip(pending, losses, norms, bad, ranks, overflow)
+        ]
+
+    def clear(self) -> None:
+        """Forget the pending steps and the step in progress (after a rollback, or at a new run's start)."""
+        self.pending.clear()
+        self._loss_bad = self._loss_sum = None
+
+
+def loss_scale(trainer: Any, deepspeed: bool) -> float | None:
+    """The fp16 loss scaler's current scale (a host read; only at an inspection that found overflows)."""
+    if deepspeed:
+        optimizer = trainer.model_wrapped.optimizer
+        scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
+        return float(scale) if scale is not None else None
+    scaler = trainer.accelerator.scaler
+    return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+
+
+__all__ = ["PendingStep", "StepFlags", "loss_scale"]
