@@ -37,6 +37,16 @@ def _shown(view: CommandView, flag: str) -> str:
 
 
 class QwenNoVanillaLoss(Rule):
+    """OpenRLHF KTO (<= 0.3.3) with `--vanilla_loss`: the flag is removed (empty-group mean is NaN), any model.
+
+    What it changes in the command:
+        KTO with `--vanilla_loss` (OpenRLHF <= 0.3.3), any model family: the flag is removed (its per-micro-batch means
+        are NaN when a micro-batch holds only one label; the id names the seed failure, Qwen2 KTO)
+
+    Opt out:
+        `safe-trainers openrlhf --safety-disable-rules kto.qwen2_no_vanilla_loss -- ...`.
+    """
+
     # The id names the seed failure (Qwen2 KTO, OpenRLHF#326); the NaN itself does not depend on the model family.
     id = "kto.qwen2_no_vanilla_loss"
     summary = "OpenRLHF KTO (<= 0.3.3) with `--vanilla_loss`: the flag is removed (empty-group mean is NaN), any model."
@@ -59,6 +69,16 @@ class QwenNoVanillaLoss(Rule):
 
 
 class Bf16OverFp16(Rule):
+    """OpenRLHF `--param_dtype fp16` / `--ds.param_dtype fp16` becomes bf16 (blocked for fp16-overflowing families without
+    bf16).
+
+    What it changes in the command:
+        `--param_dtype fp16` / `--ds.param_dtype fp16` becomes bf16.
+
+    Opt out:
+        `safe-trainers openrlhf --safety-disable-rules precision.bf16_over_fp16 -- ...`.
+    """
+
     id = "precision.bf16_over_fp16"
     summary = "OpenRLHF `--param_dtype fp16` / `--ds.param_dtype fp16` becomes bf16 (blocked for fp16-overflowing families without bf16)."  # noqa: E501
     trainers = OPENRLHF
@@ -87,6 +107,17 @@ class Bf16OverFp16(Rule):
 
 
 class Gemma2NoFlash(Rule):
+    """OpenRLHF on soft-capped models (Gemma-2): eager attention and no sample packing (it forces flash).
+
+    What it changes in the command:
+        Gemma-2 (soft-capped): `--flash_attn` removed, or `--attn_implementation` / `--ds.attn_implementation eager`
+        set (flash is the default from 0.8.10), and sample packing dropped (OpenRLHF silently forces flash attention
+        back when packing is on)
+
+    Opt out:
+        `safe-trainers openrlhf --safety-disable-rules attention.gemma2_no_flash -- ...`.
+    """
+
     id = "attention.gemma2_no_flash"
     summary = "OpenRLHF on soft-capped models (Gemma-2): eager attention and no sample packing (it forces flash)."
     trainers = OPENRLHF
@@ -138,6 +169,15 @@ class Gemma2NoFlash(Rule):
 
 
 class GradClip(Rule):
+    """OpenRLHF `--max_norm` (`--actor.max_norm`, `--critic.max_norm`) <= 0, inf or NaN becomes 1.0 (not with Muon).
+
+    What it changes in the command:
+        `--max_norm`, `--actor.max_norm`, `--critic.max_norm` <= 0, inf or NaN becomes 1.0 (not with `--optim muon`)
+
+    Opt out:
+        `safe-trainers openrlhf --safety-disable-rules optim.grad_clip -- ...`.
+    """
+
     id = "optim.grad_clip"
     summary = "OpenRLHF `--max_norm` (`--actor.max_norm`, `--critic.max_norm`) <= 0, inf or NaN becomes 1.0 (not with Muon)."  # noqa: E501
     trainers = OPENRLHF
@@ -175,6 +215,17 @@ class GradClip(Rule):
 
 
 class GroupSize(Rule):
+    """OpenRLHF group estimators (group_norm/GRPO, rloo, reinforce_baseline, dr_grpo) need >= 2 samples per prompt and
+    temperature > 0.
+
+    What it changes in the command:
+        group estimators (`group_norm`, `rloo`, `reinforce_baseline`, `dr_grpo`) with fewer than 2 samples per prompt
+        (OpenRLHF asserts 2 or more; `group_norm` would divide by a NaN std), or temperature <= 0: blocked.
+
+    Opt out:
+        `safe-trainers openrlhf --safety-disable-rules grpo.group_size -- ...`.
+    """
+
     id = "grpo.group_size"
     summary = "OpenRLHF group estimators (group_norm/GRPO, rloo, reinforce_baseline, dr_grpo) need >= 2 samples per prompt and temperature > 0."  # noqa: E501
     trainers = OPENRLHF
@@ -207,6 +258,15 @@ class GroupSize(Rule):
 
 
 class KtoBatchAndLabels(Rule):
+    """OpenRLHF KTO with `--micro_train_batch_size 1`: `--vanilla_loss` removed (NaN), otherwise warned.
+
+    What it changes in the command:
+        KTO micro-batch of 1: warned; with `--vanilla_loss` (NaN on every step) the flag is removed.
+
+    Opt out:
+        `safe-trainers openrlhf --safety-disable-rules kto.batch_and_labels -- ...`.
+    """
+
     id = "kto.batch_and_labels"
     summary = "OpenRLHF KTO with `--micro_train_batch_size 1`: `--vanilla_loss` removed (NaN), otherwise warned."
     trainers = OPENRLHF
@@ -237,6 +297,16 @@ IPO_FLAGS = ("--ipo", "--model.ipo_enable")
 
 
 class BetaPositive(Rule):
+    """OpenRLHF DPO/KTO `--beta`: non-finite, or 0 with IPO, is refused; 0 or negative otherwise warned.
+
+    What it changes in the command:
+        `--beta` / `--model.beta` non-finite, or 0 with `--ipo` / `--model.ipo_enable` (division by zero): blocked; 0
+        or negative otherwise: warned.
+
+    Opt out:
+        `safe-trainers openrlhf --safety-disable-rules dpo.beta_positive -- ...`.
+    """
+
     id = "dpo.beta_positive"
     summary = "OpenRLHF DPO/KTO `--beta`: non-finite, or 0 with IPO, is refused; 0 or negative otherwise warned."
     trainers = OPENRLHF

@@ -31,6 +31,24 @@ def softcap_safe_implementation(model_class: type | None) -> str:
 
 
 class Gemma2NoFlash(Rule):
+    """Models with soft-capped attention logits (Gemma-2) train with eager (or sdpa where supported), not flash
+    (flash-attn >= 2.6.3 soft-caps and is kept).
+
+    What it changes:
+        for models with soft-capped attention logits (`attn_logit_softcapping`, i.e. Gemma-2), `flash_attention_*`
+        (except `flash_attention_2` with an installed flash-attn >= 2.6.3, which soft-caps) or `sdpa` is replaced, for
+        a path (`model_init_kwargs`) or an instance (`set_attn_implementation`), and for a DPO/KTO `ref_model`.
+
+    Why:
+        flash-attn builds before 2.6.3 ignore the soft-cap in the backward pass: NaN loss
+        ([OpenRLHF#528](https://github.com/OpenRLHF/OpenRLHF/issues/528)). The target is sdpa only where the installed
+        transformers accepts sdpa for that model class; transformers 5 refuses it for Gemma-2 (sdpa cannot soft-cap),
+        so today it is `eager`; the report says which and why.
+
+    Opt out:
+        `safety_disable_rules=["attention.gemma2_no_flash"]`.
+    """
+
     id = "attention.gemma2_no_flash"
     summary = (
         "Models with soft-capped attention logits (Gemma-2) train with eager (or sdpa where supported), not flash "

@@ -56,6 +56,23 @@ def token_counts(dataset, names: tuple[str, ...]) -> dict[str, list[int]] | None
 
 
 class NoLossTokens(Rule):
+    """Examples with zero loss tokens after tokenization/truncation are dropped (counted); none left is an error.
+
+    What it changes:
+        *(built)* after tokenization, examples left with zero loss tokens once the collator truncates to `max_length`
+        (the prompt fills the sequence, or the completion is empty) are dropped, with the count in the report; SFT:
+        rows whose labels leave the causal loss nothing to score after `completion_only_loss` / `assistant_only_loss`
+        masking and `max_length` truncation are dropped, and the rows TRL's preparation dropped itself are counted;
+        none left is blocked.
+
+    Why:
+        a mean over zero tokens is NaN; SFT clamps the count and logs loss 0.0 for a batch of them
+        ([trl#6668](https://github.com/huggingface/trl/issues/6668))
+
+    Opt out:
+        `safety_disable_rules=["data.no_loss_tokens"]`.
+    """
+
     id = "data.no_loss_tokens"
     summary = "Examples with zero loss tokens after tokenization/truncation are dropped (counted); none left is an error."
     trainers = frozenset({"sft", "reward", "dpo", "kto"})

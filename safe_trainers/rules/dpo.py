@@ -54,6 +54,20 @@ def beta_problem(beta: float, losses: list[str]) -> tuple[str, str] | None:
 
 
 class BetaPositive(Rule):
+    """DPO/KTO `beta`: non-finite, or 0 with a loss that divides by it (IPO, SPPO), is refused; <= 0 warned.
+
+    What it changes:
+        blocked for a non-finite `beta`, or `beta=0` with `loss_type` `ipo` or `sppo_hard`; `beta=0` or negative
+        otherwise is warned.
+
+    Why:
+        the loss multiplies every log-ratio by `beta` (0: constant loss, no gradient; < 0: trains toward the rejected
+        answers), and IPO/SPPO divide by it.
+
+    Opt out:
+        `safety_disable_rules=["dpo.beta_positive"]`.
+    """
+
     id = "dpo.beta_positive"
     summary = "DPO/KTO `beta`: non-finite, or 0 with a loss that divides by it (IPO, SPPO), is refused; <= 0 warned."
     trainers = frozenset({"dpo", "kto"})

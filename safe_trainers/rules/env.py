@@ -19,6 +19,24 @@ CUBLAS_FIX = (
 
 
 class CublasSigfpe(Rule):
+    """bf16/fp16 on an H20 with a cuBLAS before 12.4.5.8 (SIGFPE in cublasLt) is refused, with the upgrade.
+
+    What it changes:
+        bf16/fp16 (AMP or half weights) on an NVIDIA H20 whose cuBLAS is older than 12.4.5.8 (the `nvidia-cublas-cu12`
+        wheel, else `torch.version.cuda` < 12.4) is blocked with the fix (`pip install 'nvidia-cublas-cu12>=12.4.5.8'`,
+        or a torch built for CUDA >= 12.4); on such a machine the known crashing GEMM is first run in a subprocess: if
+        it passes, a warning instead; CUDA 11 or unknown versions are warned.
+
+    Why:
+        cublasLt divides by zero in its heuristic for some half-precision GEMM shapes: "Floating point exception (core
+        dumped)" ([trl#2906](https://github.com/huggingface/trl/issues/2906),
+        [pytorch#133548](https://github.com/pytorch/pytorch/issues/133548)); fp32 works at twice the memory, so it is
+        not applied automatically.
+
+    Opt out:
+        `safety_disable_rules=["env.cublas_sigfpe"]`.
+    """
+
     id = "env.cublas_sigfpe"
     summary = "bf16/fp16 on an H20 with a cuBLAS before 12.4.5.8 (SIGFPE in cublasLt) is refused, with the upgrade."
     rationale = "https://github.com/huggingface/trl/issues/2906"

@@ -46,6 +46,21 @@ def group_size_problems(num_generations: int | None, generation_batch_size: int 
 
 
 class GroupSize(Rule):
+    """`num_generations` >= 2, generation batch divisible by it, `temperature` > 0 (checked before loading).
+
+    What it changes:
+        blocked unless `num_generations` >= 2, the generation batch (`per_device_train_batch_size` x processes x
+        `steps_per_generation`) is divisible by it, and `temperature` > 0; checked in `GRPOConfig`/`RLOOConfig` and
+        again at construction, before any model is loaded.
+
+    Why:
+        the std of one completion (GRPO) and the leave-one-out mean of none (RLOO) are NaN; a split group breaks reward
+        normalisation; temperature 0 divides logits by zero.
+
+    Opt out:
+        `safety_disable_rules=["grpo.group_size"]`.
+    """
+
     id = "grpo.group_size"
     summary = "`num_generations` >= 2, generation batch divisible by it, `temperature` > 0 (checked before loading)."
     trainers = ONLINE_RL
@@ -69,6 +84,20 @@ def padded_vocab_ids(vocab_size: int | None, tokenizer_size: int | None) -> rang
 
 
 class VocabSize(Rule):
+    """A model vocabulary padded past the tokenizer: transformers generation suppresses the extra ids; vLLM warned.
+
+    What it changes:
+        a model `vocab_size` larger than the tokenizer (Qwen: 151936 vs 151665): transformers generation suppresses the
+        extra ids (`generation_kwargs["suppress_tokens"]`); with vLLM, warned.
+
+    Why:
+        sampled ids past the tokenizer decode to nothing: garbage completions and rewards, or crashes
+        ([verl#1398](https://github.com/volcengine/verl/issues/1398))
+
+    Opt out:
+        `safety_disable_rules=["grpo.vocab_size"]`.
+    """
+
     id = "grpo.vocab_size"
     summary = "A model vocabulary padded past the tokenizer: transformers generation suppresses the extra ids; vLLM warned."
     trainers = ONLINE_RL
@@ -121,6 +150,20 @@ def truncated_sampling(args) -> list[str]:
 
 
 class VllmIsTruncation(Rule):
+    """vLLM importance-sampling correction with `top_p`/`top_k`/`min_p` truncation (biased ratio): warned.
+
+    What it changes:
+        `vllm_importance_sampling_correction=True` with `top_p` < 1, `top_k` > 0 or `min_p` > 0 (fields or
+        `generation_kwargs`) is warned.
+
+    Why:
+        vLLM's log-probs are renormalised over the truncated support, the trainer's over the full softmax: the
+        importance ratio is biased by the kept mass ([trl#6789](https://github.com/huggingface/trl/issues/6789))
+
+    Opt out:
+        `safety_disable_rules=["grpo.vllm_is_truncation"]`.
+    """
+
     id = "grpo.vllm_is_truncation"
     summary = "vLLM importance-sampling correction with `top_p`/`top_k`/`min_p` truncation (biased ratio): warned."
     trainers = ONLINE_RL

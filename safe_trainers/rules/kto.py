@@ -16,6 +16,21 @@ def kto_uses_kl(loss_type: str | None) -> bool:
 
 
 class KtoBatchAndLabels(Rule):
+    """KTO with its KL term needs `per_device_train_batch_size` >= 2 (TRL refuses 1); one label kind is fine.
+
+    What it changes:
+        blocked only for `per_device_train_batch_size=1` with a loss that uses the KL term (every `loss_type` but
+        `apo_zero_unpaired`); a dataset with one label kind is fine.
+
+    Why:
+        the KL term pairs mismatched examples inside a micro-batch, and TRL refuses a batch of 1
+        ([OpenRLHF#326](https://github.com/OpenRLHF/OpenRLHF/issues/326)); TRL skips an empty side of the loss and
+        averages with `nanmean`.
+
+    Opt out:
+        `safety_disable_rules=["kto.batch_and_labels"]`.
+    """
+
     id = "kto.batch_and_labels"
     summary = "KTO with its KL term needs `per_device_train_batch_size` >= 2 (TRL refuses 1); one label kind is fine."
     trainers = frozenset({"kto"})

@@ -9,6 +9,19 @@ from .base import Rule
 
 
 class ShowNonFinite(Rule):
+    """`logging_nan_inf_filter` is turned off so a NaN loss is logged as NaN instead of being hidden.
+
+    What it changes:
+        `logging_nan_inf_filter=True` becomes `False`.
+
+    Why:
+        with the filter a NaN loss is logged as the recent average, often 0.0, hiding a diverged run
+        ([trl#6702](https://github.com/huggingface/trl/issues/6702))
+
+    Opt out:
+        `safety_disable_rules=["logging.show_nonfinite"]`.
+    """
+
     id = "logging.show_nonfinite"
     summary = "`logging_nan_inf_filter` is turned off so a NaN loss is logged as NaN instead of being hidden."
     rationale = "https://github.com/huggingface/trl/issues/6702"

@@ -8,6 +8,20 @@ from .grpo import ONLINE_RL
 
 
 class RouterAuxLoss(Rule):
+    """A MoE model's router load-balancing loss that TRL adds to the RL loss: warned (`router_aux_loss_coef`).
+
+    What it changes:
+        a Mixture-of-Experts model whose router load-balancing loss TRL adds to the RL loss (the config's
+        `router_aux_loss_coef` unless `router_aux_loss_coef` is set) is warned.
+
+    Why:
+        the logged loss and its gradient are no longer the policy objective alone
+        ([trl#7009](https://github.com/huggingface/trl/issues/7009))
+
+    Opt out:
+        `safety_disable_rules=["moe.router_aux_loss"]`.
+    """
+
     id = "moe.router_aux_loss"
     summary = "A MoE model's router load-balancing loss that TRL adds to the RL loss: warned (`router_aux_loss_coef`)."
     trainers = ONLINE_RL

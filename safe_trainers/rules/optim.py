@@ -20,6 +20,19 @@ def clipping_disabled(value: object) -> bool:
 
 
 class GradClip(Rule):
+    """Disabled or non-finite clipping (`max_grad_norm` <= 0, None, inf, NaN) becomes 1.0; DeepSpeed agrees.
+
+    What it changes:
+        `max_grad_norm` that is `None`, <= 0, inf or NaN becomes 1.0; a numeric DeepSpeed `gradient_clipping` that
+        disagrees is set to the same value; values outside [0.01, 10] are reported.
+
+    Why:
+        no clipping lets one bad batch blow up the weights ([trl#1356](https://github.com/huggingface/trl/issues/1356))
+
+    Opt out:
+        `safety_disable_rules=["optim.grad_clip"]`.
+    """
+
     id = "optim.grad_clip"
     summary = "Disabled or non-finite clipping (`max_grad_norm` <= 0, None, inf, NaN) becomes 1.0; DeepSpeed agrees."
     rationale = "https://github.com/huggingface/trl/issues/1356"
@@ -65,6 +78,19 @@ def is_full_finetune(setup) -> bool:
 
 
 class LearningRate(Rule):
+    """Full fine-tuning in preference/RL training with `learning_rate` > 1e-05: warned.
+
+    What it changes:
+        full fine-tuning (no `peft_config`, no `PeftModel`) with `learning_rate` > 1e-5 is warned.
+
+    Why:
+        TRL's default is 1e-6; far above it the policy leaves the reference within a few steps and the loss saturates
+        or diverges (a heuristic, so a warning)
+
+    Opt out:
+        `safety_disable_rules=["optim.learning_rate"]`.
+    """
+
     id = "optim.learning_rate"
     summary = f"Full fine-tuning in preference/RL training with `learning_rate` > {FULL_FINETUNE_MAX_LR:g}: warned."
     trainers = frozenset({"dpo", "kto", "grpo", "rloo"})

@@ -25,6 +25,24 @@ def head_module_names(head: dict[str, bool]) -> list[str]:
 
 
 class RewardSeqClsLora(Rule):
+    """LoRA reward models get a trainable head saved with the adapter (`task_type="SEQ_CLS"`), no fp16 head.
+
+    What it changes:
+        a LoRA `peft_config` gets `task_type="SEQ_CLS"` (PEFT then trains the `score` head and saves it with the
+        adapter); an fp16/`"half"` load dtype becomes `"auto"` when the checkpoint is not stored in fp16 (otherwise
+        `precision.bf16_over_fp16` handles it); *(built)* a `PeftModel` passed in with a frozen head gets the head
+        trained and saved with the adapter (`modules_to_save`), an fp16 trainable head is upcast to fp32, a head with
+        an unknown name is warned.
+
+    Why:
+        without `SEQ_CLS` the random head stays frozen and unsaved; an fp16 head gives loss ~1e34 then NaN
+        ([trl#2367](https://github.com/huggingface/trl/issues/2367),
+        [peft#1522](https://github.com/huggingface/peft/issues/1522))
+
+    Opt out:
+        `safety_disable_rules=["peft.reward_seq_cls_lora"]`.
+    """
+
     id = "peft.reward_seq_cls_lora"
     summary = 'LoRA reward models get a trainable head saved with the adapter (`task_type="SEQ_CLS"`), no fp16 head.'
     trainers = frozenset({"reward"})

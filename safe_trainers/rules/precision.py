@@ -120,6 +120,27 @@ def fp16_sources(setup) -> list[tuple[str, str]]:
 
 
 class PreferBf16(Rule):
+    """fp16 (flag, accelerate, DeepSpeed, load dtype, weights passed in) becomes bf16; fp32 for overflowing families
+    without bf16.
+
+    What it changes:
+        fp16 from any source becomes bf16 where the hardware has bf16 (on a machine without GPU also `use_cpu=True`,
+        which transformers requires for bf16): `fp16=True`; accelerate's `mixed_precision` (`accelerate launch
+        --mixed_precision fp16`, its config file, `ACCELERATE_MIXED_PRECISION`) as `args.mixed_precision` resolved it;
+        a DeepSpeed `"fp16": {"enabled": true}`; an fp16 load dtype, or `dtype="auto"` on a checkpoint stored in fp16;
+        a model or `ref_model` instance with fp16 weights (cast before TRL builds the reference model from the policy's
+        dtype). Without bf16, families that overflow fp16 (Gemma 1/2/3/3n/4, gpt-oss, Qwen3.5, Qwen3-MoE, GLM-4-MoE,
+        T5) train in fp32, others keep fp16 with a warning.
+
+    Why:
+        fp16 overflows (max 65504): Gemma-3 DPO in fp16 gives reward NaN, loss 0
+        ([trl#3236](https://github.com/huggingface/trl/issues/3236)); fp16 flags and fp16 weights must agree with a
+        bf16 run.
+
+    Opt out:
+        `safety_disable_rules=["precision.bf16_over_fp16"]`.
+    """
+
     id = "precision.bf16_over_fp16"
     summary = "fp16 (flag, accelerate, DeepSpeed, load dtype, weights passed in) becomes bf16; fp32 for overflowing families without bf16."  # noqa: E501
     rationale = "https://github.com/huggingface/trl/issues/3236"
@@ -174,6 +195,18 @@ class PreferBf16(Rule):
 
 
 class Fp32TrainableParams(Rule):
+    """Trainable parameters stored in fp16 are upcast to fp32 (AdamW in pure fp16 gives inf/NaN).
+
+    What it changes:
+        *(built)* trainable parameters stored in fp16 are upcast to fp32.
+
+    Why:
+        AdamW in pure fp16: `eps` rounds to 0 and second moments underflow, inf/NaN on step 1.
+
+    Opt out:
+        `safety_disable_rules=["precision.fp32_trainable_params"]`.
+    """
+
     id = "precision.fp32_trainable_params"
     summary = "Trainable parameters stored in fp16 are upcast to fp32 (AdamW in pure fp16 gives inf/NaN)."
     rationale = "https://github.com/huggingface/peft/issues/1522"
@@ -226,6 +259,20 @@ def bf16_requests(setup) -> list[str]:
 
 
 class Bf16Supported(Rule):
+    """bf16 asked for on a GPU without bf16 hardware (before Ampere: emulated, several times slower): warned.
+
+    What it changes:
+        bf16 asked for (`bf16=True`, accelerate, DeepSpeed, a bf16 load dtype) on a GPU without bf16 hardware (compute
+        capability < 8.0: V100, T4) is warned, with fp32 or fp16 mixed precision (not for overflowing families) as the
+        way out.
+
+    Why:
+        torch emulates bf16 there, several times slower; not a crash, so not changed.
+
+    Opt out:
+        `safety_disable_rules=["precision.bf16_supported"]`.
+    """
+
     id = "precision.bf16_supported"
     summary = "bf16 asked for on a GPU without bf16 hardware (before Ampere: emulated, several times slower): warned."
     rationale = "https://github.com/axolotl-ai-cloud/axolotl/blob/main/src/axolotl/utils/schemas/config.py"

@@ -41,6 +41,21 @@ def pad_candidates(tokenizer) -> list[str]:
 
 
 class RewardPadToken(Rule):
+    """Reward models whose pad token is EOS (or missing, so TRL pads with EOS) get a distinct pad token.
+
+    What it changes:
+        a pad token equal to EOS, or none (TRL then pads with EOS), becomes a token that never occurs in text (`unk`,
+        or a special token named like a pad token) through `pad_token`; warned when there is none.
+
+    Why:
+        the sequence-classification head reads the score at the last non-pad token, so the EOS TRL appends counts as
+        padding and the score is read one token early
+        ([transformers#35909](https://github.com/huggingface/transformers/issues/35909))
+
+    Opt out:
+        `safety_disable_rules=["tokens.reward_pad_token"]`.
+    """
+
     id = "tokens.reward_pad_token"
     summary = "Reward models whose pad token is EOS (or missing, so TRL pads with EOS) get a distinct pad token."
     trainers = frozenset({"reward"})
@@ -140,6 +155,21 @@ def peft_trains_rows(peft_config, ids: list[int]) -> bool:
 
 
 class UntrainedEmbeddings(Rule):
+    """Chat-template special tokens with untrained (near-zero) embedding rows are set to the mean (LoRA: warned).
+
+    What it changes:
+        *(built)* special tokens that the chat template writes (and the EOS TRL appends) whose input or output
+        embedding rows are near zero (< 1e-3 of the median row norm) are set to the mean of the trained rows, in the
+        reference model too; warned under LoRA (frozen embeddings), with the `trainable_token_indices` to train them.
+
+    Why:
+        never-trained rows (e.g. a base model's chat tokens) start the hidden state at zero: huge gradients through the
+        first normalisation, inf grad norm in half precision (Unsloth `fix_untrained_tokens`, NeMo-RL)
+
+    Opt out:
+        `safety_disable_rules=["tokens.untrained_embeddings"]`.
+    """
+
     id = "tokens.untrained_embeddings"
     summary = "Chat-template special tokens with untrained (near-zero) embedding rows are set to the mean (LoRA: warned)."
     rationale = "https://github.com/unslothai/unsloth-zoo/blob/main/unsloth_zoo/tokenizer_utils.py"
