@@ -237,6 +237,12 @@ class CommandView:
                 self.value(flag)
 
 
+def shown(view: CommandView, flag: str) -> str:
+    """`--flag value` as the rule read it (`--flag` for a switch)."""
+    value = view.value(flag)
+    return f"`{flag}`" if value is None else f"`{flag} {value}`"
+
+
 def model_paths(view: CommandView) -> list[tuple[str, str]]:
     """`(flag, path)` for every model the command names (comma-separated lists split)."""
     pairs = []
@@ -284,5 +290,6 @@ __all__ = [
     "is_option",
     "model_paths",
     "parse_command",
+    "shown",
     "split_items",
 ]
