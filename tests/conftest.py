@@ -44,8 +44,8 @@ def cpu_args(**overrides) -> dict:
     return base
 
 
-# Property-based tests (tests/test_guard_properties.py): a few derandomized examples by default, so CI is fast and
-# repeatable; `python -m pytest --hypothesis-profile=long tests/test_guard_properties.py` explores many more.
+# Property-based tests (tests/guard/test_guard_properties.py): a few derandomized examples by default, so CI is fast and
+# repeatable; `python -m pytest --hypothesis-profile=long tests/guard/test_guard_properties.py` explores many more.
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _SLOW_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]

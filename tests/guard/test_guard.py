@@ -234,7 +234,7 @@ trainer.train()
 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(toy_models, tmp_path):
-    tests = os.path.dirname(__file__)
+    tests = os.path.dirname(os.path.dirname(__file__))
     script = KILL_SCRIPT.format(tests=tests, model=toy_models["qwen2"], out=str(tmp_path))
     env = dict(os.environ, PYTHONPATH=os.path.dirname(tests))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

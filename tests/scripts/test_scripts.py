@@ -17,7 +17,7 @@ from safe_trainers.testing import toy
 from safe_trainers.scripts.launch import ScriptArguments, load_train_dataset, main, model_and_peft, parse_args
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 QUICK = [
     "--max_steps", "2",

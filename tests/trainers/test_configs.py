@@ -22,7 +22,7 @@ from safe_trainers.scripts.launch import model_and_peft, parse_args
 from safe_trainers.rules.context import TrainerSetup, build_setup, load_deepspeed_config
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 ACCELERATE = sorted((CONFIGS / "accelerate").glob("*.yaml"))
 DEEPSPEED = sorted((CONFIGS / "deepspeed").glob("*.json"))

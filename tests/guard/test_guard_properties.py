@@ -12,7 +12,7 @@ checks on every example:
 * the output directory holds one event log, this run's.
 
 Default (CI): 2 derandomized examples per trainer. More: `python -m pytest --hypothesis-profile=long
-tests/test_guard_properties.py`.
+tests/guard/test_guard_properties.py`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from safe_trainers.kinds import KINDS, TRAINER_KINDS
 from safe_trainers.testing.toy import dataset_for, save_toy_model
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRL_SCRIPTS = Path(importlib.util.find_spec("trl").submodule_search_locations[0]) / "scripts"
 ARGS = [
     "--max_steps", "2",

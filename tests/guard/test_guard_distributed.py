@@ -21,7 +21,7 @@ from safe_trainers.testing.toy import save_toy_model
 
 
 pytestmark = pytest.mark.distributed
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
 EXIT_RACE = "terminate called without an active exception"
 ZERO3 = {
@@ -50,7 +50,7 @@ def launch(launcher: list[str], kind: str, faults: list[str], tmp_path, *extra: 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     finished = all(os.path.exists(os.path.join(out, f"result-rank{rank}.json")) for rank in (0, 1))
     # A rare abort of a gloo rank while the interpreter exits, after all work is done and written (see
-    # tests/test_launch.py): accepted only in that exact form, with both ranks' results on disk.
+    # tests/scripts/test_launch.py): accepted only in that exact form, with both ranks' results on disk.
     exit_race = done.returncode != 0 and EXIT_RACE in done.stderr and finished
     assert done.returncode == 0 or exit_race, (done.stdout + done.stderr)[-4000:]
     results = []

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]  # = `accelerate launch`
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]  # = `deepspeed`
 QUICK = [

@@ -14,7 +14,7 @@ from safe_trainers.openrlhf import RULES as SHIM_RULES
 from safe_trainers.rules import DEFAULT_RULES, rule_ids
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
