@@ -30,6 +30,7 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import safe_trainers as st  # noqa: E402
+from safe_trainers.testing.quick import quick_args  # noqa: E402
 from safe_trainers.testing.toy import build_tokenizer, model_config  # noqa: E402
 
 
@@ -112,19 +113,13 @@ def snapshot_bytes(snapshot) -> int:
 def make_trainer(
     kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int, optim: str
 ):
-    common = dict(
+    common = quick_args(
         output_dir=out,
         max_steps=steps,
         per_device_train_batch_size=batch,
         learning_rate=1e-5,
         logging_steps=10,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        gradient_checkpointing=False,
         bf16=torch.cuda.is_available(),
-        use_cpu=not torch.cuda.is_available(),
-        seed=0,
         precompute_ref_log_probs=False,
         optim=optim,
     )

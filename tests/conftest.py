@@ -27,23 +27,6 @@ def toy_models(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-def cpu_args(**overrides) -> dict:
-    """Config keyword arguments for a short, quiet CPU run (merge with the trainer-specific ones)."""
-    base = dict(
-        max_steps=2,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-    )
-    base.update(overrides)
-    return base
-
-
 # Property-based tests (tests/guard/test_guard_properties.py): a few derandomized examples by default, so CI is fast and
 # repeatable; `python -m pytest --hypothesis-profile=long tests/guard/test_guard_properties.py` explores many more.
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -6,8 +6,8 @@ import json
 import os
 
 import torch
-from conftest import cpu_args
 
+from safe_trainers.testing.quick import quick_args
 from safe_trainers.configs import config_class
 from safe_trainers.kinds import KINDS
 from safe_trainers.testing.toy import dataset_for
@@ -27,7 +27,7 @@ def rank_reward(completions, **kwargs) -> list[float]:
 
 def config_kwargs(kind: str, tmp_path, **overrides) -> dict:
     # `learning_rate=1e-5`: the highest full fine-tuning rate `optim.learning_rate` accepts without a warning
-    kwargs = cpu_args(output_dir=str(tmp_path / f"{kind}-out"), learning_rate=1e-5)
+    kwargs = quick_args(output_dir=str(tmp_path / f"{kind}-out"), learning_rate=1e-5)
     if KINDS[kind].online:
         kwargs.update(num_generations=2, max_completion_length=8)
     kwargs.update(overrides)

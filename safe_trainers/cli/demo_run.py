@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
-from ..testing.faults import Fault, FaultInjector
 from ..guard import read_events
 from ..guard.checkpoint import checkpoints
+from ..testing.faults import Fault, FaultInjector
+from ..testing.quick import quick_args
 
 
 class StepPrinter(TrainerCallback):
@@ -113,18 +114,7 @@ def run_demo(output_dir: str | None = None, steps: int = 12, compare: bool = Tru
 
 
 def _common(steps: int) -> dict[str, Any]:
-    return dict(
-        max_steps=steps,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_steps=4,
-        report_to="none",
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-        use_cpu=not torch.cuda.is_available(),
-        seed=0,
-    )
+    return quick_args(max_steps=steps, save_strategy="steps", save_steps=4)
 
 
 def _quiet(trainer: Any, prefix: str) -> None:

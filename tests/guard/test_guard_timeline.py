@@ -13,7 +13,6 @@ import shutil
 import pytest
 import torch
 import trl
-from conftest import cpu_args
 from guard_utils import (
     checkpoint_steps,
     guarded_trainer,
@@ -24,6 +23,7 @@ from guard_utils import (
 )
 
 import safe_trainers as st
+from safe_trainers.testing.quick import quick_args
 from safe_trainers.errors import NonFiniteWeightsError
 from safe_trainers.testing.faults import Fault, FaultInjector
 from safe_trainers.guard import read_events
@@ -49,7 +49,7 @@ def test_rollback_on_the_last_step_still_ends_at_max_steps(toy_models, tmp_path)
 def test_epoch_based_run_with_rollback_ends_with_save_and_eval(toy_models, tmp_path):
     data = dataset_for("dpo", 24)
     settings = dict(max_steps=-1, num_train_epochs=1, save_strategy="epoch", eval_strategy="epoch")
-    config = st.DPOConfig(**cpu_args(output_dir=str(tmp_path), nan_snapshot_steps=2, seed=0, **settings))
+    config = st.DPOConfig(**quick_args(output_dir=str(tmp_path), nan_snapshot_steps=2, seed=0, **settings))
     trainer = st.DPOTrainer(toy_models["qwen2"], args=config, train_dataset=data, eval_dataset=dataset_for("dpo", 4))
     trainer.add_callback(FaultInjector([Fault(step=5, kind="weight")]))
     trainer.train()

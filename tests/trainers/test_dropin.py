@@ -18,12 +18,12 @@ import sys
 import pytest
 import torch
 import trl
-from conftest import cpu_args
 from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import safe_trainers
+from safe_trainers.testing.quick import quick_args
 from safe_trainers import SafetyArguments, SafetyError
 from safe_trainers.kinds import KINDS as KIND_ROWS
 from safe_trainers.kinds import TRAINER_KINDS
@@ -55,7 +55,7 @@ def length_reward(completions, **kwargs) -> list[float]:
 def config_kwargs(kind, tmp_path, name="out", **overrides):
     # `logging_nan_inf_filter=False`: the safe trainers would otherwise fix it, and these tests compare with TRL;
     # `learning_rate=1e-5`: the highest full fine-tuning rate `optim.learning_rate` accepts without a warning
-    kwargs = cpu_args(output_dir=str(tmp_path / name), logging_nan_inf_filter=False, learning_rate=1e-5)
+    kwargs = quick_args(output_dir=str(tmp_path / name), logging_nan_inf_filter=False, learning_rate=1e-5)
     if KIND_ROWS[kind].online:
         kwargs.update(num_generations=2, max_completion_length=8)
     kwargs.update(overrides)

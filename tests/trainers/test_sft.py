@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 import trl
-from conftest import cpu_args
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from safe_trainers.testing.quick import quick_args
 from safe_trainers import SafetyError, SFTConfig, SFTTrainer
 from safe_trainers.testing.toy import dataset_for
 from trainer_utils import actions, snapshot, train_losses  # tests/ is on sys.path, as for conftest
@@ -24,7 +24,7 @@ LONG_PROMPT = " ".join(["one two three four five six seven eight nine ten"] * 4)
 
 
 def build(model, tmp_path, dataset=None, n=8, **overrides):
-    args = SFTConfig(**cpu_args(output_dir=str(tmp_path / "sft-out"), **overrides))
+    args = SFTConfig(**quick_args(output_dir=str(tmp_path / "sft-out"), **overrides))
     return SFTTrainer(model=model, args=args, train_dataset=dataset if dataset is not None else dataset_for("sft", n))
 
 
@@ -95,7 +95,7 @@ def test_fp16_lora_adapter_left_fp16_without_the_rule(toy_models, tmp_path):
 
 def test_fp32_lora_not_touched(toy_models, tmp_path):
     lora = LoraConfig(target_modules=["q_proj", "v_proj"], r=4, task_type="CAUSAL_LM")
-    args = SFTConfig(**cpu_args(output_dir=str(tmp_path / "out"), logging_nan_inf_filter=False))
+    args = SFTConfig(**quick_args(output_dir=str(tmp_path / "out"), logging_nan_inf_filter=False))
     trainer = SFTTrainer(toy_models["qwen2"], args=args, train_dataset=dataset_for("sft", 4), peft_config=lora)
     assert trainer.safety_report.findings == []
 
@@ -181,7 +181,7 @@ def test_completion_only_masked_rows_without_max_length_dropped(toy_models, tmp_
 
     control = trl.SFTTrainer(
         toy_models["qwen2"],
-        args=trl.SFTConfig(**cpu_args(output_dir=str(tmp_path / "trl"), max_length=None, completion_only_loss=True)),
+        args=trl.SFTConfig(**quick_args(output_dir=str(tmp_path / "trl"), max_length=None, completion_only_loss=True)),
         train_dataset=data,
     )
     assert len(control.train_dataset) == 8
@@ -205,7 +205,7 @@ def test_assistant_only_loss_truncated_turns_counted(toy_models, tmp_path):
         ]
         for i in range(6)
     ]
-    args = SFTConfig(**cpu_args(output_dir=str(tmp_path / "out"), assistant_only_loss=True, max_length=16))
+    args = SFTConfig(**quick_args(output_dir=str(tmp_path / "out"), assistant_only_loss=True, max_length=16))
     trainer = SFTTrainer(
         toy_models["qwen2"],
         args=args,

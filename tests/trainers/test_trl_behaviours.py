@@ -18,11 +18,11 @@ import math
 
 import pytest
 import torch
-from conftest import cpu_args
 from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from safe_trainers.testing.quick import quick_args
 from safe_trainers.configs import config_class
 from safe_trainers.kinds import KINDS
 from safe_trainers.trainers import trainer_class
@@ -38,7 +38,7 @@ def classes(kind: str, impl: str) -> tuple[type, type]:
 
 
 def config(kind, impl, tmp_path, **overrides):
-    kwargs = cpu_args(output_dir=str(tmp_path / impl), bf16=False, logging_nan_inf_filter=False)
+    kwargs = quick_args(output_dir=str(tmp_path / impl), bf16=False, logging_nan_inf_filter=False)
     if KINDS[kind].online:
         kwargs.update(num_generations=2, max_completion_length=8)
     kwargs.update(overrides)
@@ -277,4 +277,4 @@ def test_rloo_single_generation_is_refused(impl, tmp_path):
     # TRL refuses it in its config; the safe config refuses it first, with the rule's message (still a ValueError)
     _, config_class = classes("rloo", impl)
     with pytest.raises(ValueError, match="2 generations|`num_generations=1`"):
-        config_class(**cpu_args(output_dir=str(tmp_path), num_generations=1))
+        config_class(**quick_args(output_dir=str(tmp_path), num_generations=1))

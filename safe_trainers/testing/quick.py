@@ -1,0 +1,36 @@
+"""One set of quick settings for short runs on tiny models: the tests, the demo and the bench start from these."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def quick_args(**overrides: Any) -> dict[str, Any]:
+    """Config keyword arguments for a short, quiet run: 2 steps of batch 2 at lr 1e-3, logging every step, no saves,
+    no progress bar or reports, no gradient checkpointing, on the CPU unless a GPU is present. `overrides` win.
+
+    Example:
+        ```python
+        >>> from safe_trainers import DPOConfig
+        >>> args = DPOConfig(**quick_args(output_dir="out", max_steps=10))
+        ```
+    """
+    import torch
+
+    args: dict[str, Any] = dict(
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    args.update(overrides)
+    return args
+
+
+__all__ = ["quick_args"]
