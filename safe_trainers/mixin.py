@@ -9,16 +9,14 @@ from typing import Any, ClassVar
 
 from transformers.trainer_callback import DefaultFlowCallback
 
-from .rules.apply import apply_to_setup, apply_to_trainer
 from .arguments import SafetyArguments
 from .configs import config_class
-from .rules.engine import new_report, run_stage, select_rules
 from .guard import NanGuard, NanGuardCallback
 from .guard.trainer_hooks import NanGuardTrainerMixin
 from .kinds import get_kind
 from .rules.report import SafetyReport
-from .rules import BuiltTrainer
 from .rules.context import TrainerSetup, build_setup
+from .rules.stages import run_built_rules, run_setup_rules
 
 
 logger = logging.getLogger("safe_trainers")
@@ -69,11 +67,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         arguments.pop("self")
         setup = self._build_setup(arguments)
         settings = SafetyArguments.from_config(setup.args)
-        enabled, disabled = select_rules(self._safety_kind, settings)
-        report = new_report(self._safety_kind, settings, disabled)
-        report.notes += setup.assumptions
-        if settings.safety_mode != "off":
-            setup = run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
+        setup, report = run_setup_rules(setup, settings)
         source = setup.train_dataset
         source_rows = len(source) if source is not None and hasattr(source, "__len__") else None
         arguments["args"] = setup.args
@@ -86,9 +80,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
 
         self.safety_settings = settings
         self.safety_report = report
-        if settings.safety_mode != "off":
-            check_built = functools.partial(_check_built, source_rows=source_rows)
-            run_stage(self, enabled, settings, report, check=check_built, apply=apply_to_trainer)
+        run_built_rules(self, settings, report, source_rows)
         self._publish_safety_report()
         if settings.nan_guard:
             self.nan_guard = NanGuard(self, settings)
@@ -130,17 +122,3 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         else:
             logger.info(text)
         self.safety_report.write_json(self.args.output_dir)
-
-
-def _check_built(rule, trainer, source_rows: int | None = None) -> Any:
-    built = BuiltTrainer(
-        kind=trainer._safety_kind,
-        args=trainer.args,
-        model=trainer.model,
-        train_dataset=trainer.train_dataset,
-        source_rows=source_rows,
-        processing_class=getattr(trainer, "processing_class", None),
-        ref_model=getattr(trainer, "ref_model", None),
-        peft_config=getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default"),
-    )
-    return rule.check_built(built)

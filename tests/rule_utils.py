@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from safe_trainers import SafetyArguments
-from safe_trainers.rules.apply import apply_to_setup
 from safe_trainers.configs import config_class
-from safe_trainers.rules.engine import new_report, run_stage, select_rules
+from safe_trainers.rules.stages import run_setup_rules
 from safe_trainers.kinds import get_kind
 from safe_trainers.rules import DEFAULT_RULES
 from safe_trainers.rules.context import Hardware, TrainerSetup, resolve_model_class
@@ -46,11 +45,7 @@ def settings(mode="fix", disable=()):
 
 
 def run_setup_stage(setup, mode="fix", disable=(), rules=None):
-    s = settings(mode, disable)
-    enabled, disabled = select_rules(setup.kind, s, rules if rules is not None else DEFAULT_RULES)
-    report = new_report(setup.kind, s, disabled)
-    out = run_stage(setup, enabled, s, report, check=lambda r, t: r.check(t), apply=apply_to_setup)
-    return out, report
+    return run_setup_rules(setup, settings(mode, disable), rules=rules if rules is not None else DEFAULT_RULES)
 
 
 def change_map(finding):

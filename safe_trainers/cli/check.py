@@ -133,15 +133,13 @@ def run(ns: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes drown the report
-    from ..rules.apply import apply_to_setup
     from ..arguments import SafetyArguments
     from ..configs import config_class as kind_config
-    from ..rules.engine import new_report, run_stage, select_rules
-    from ..errors import SafetyError
     from ..kinds import get_kind
     from ..scripts.rewards import reward_name_problem
     from ..scripts.launch import has_accelerator, model_and_peft, parse_args
     from ..rules.context import build_setup
+    from ..rules.stages import built_rule_ids, run_setup_rules
     from . import target
 
     overrides = list(ns.passthrough)
@@ -189,25 +187,16 @@ def run(ns: argparse.Namespace) -> int:
         ns.trainer, training_args, model, peft_config=peft_config, hardware=hardware, explicit_args=explicit
     )
     settings = SafetyArguments.from_config(training_args)
-    enabled, disabled = select_rules(ns.trainer, settings)
-    report = new_report(ns.trainer, settings, disabled)
+    _, report = run_setup_rules(setup, settings, raise_blocked=False)
     report.hardware = f"{hardware.source}; {launch.describe()}"
-    report.notes += setup.assumptions
-    if settings.safety_mode != "off":
-        try:
-            run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
-        except SafetyError as error:
-            report.findings.extend(error.findings)
     if setup.model_config is None and model:
         print(
             f"note: could not read `config.json` for `{model}` and its name says no known family; model-specific "
             "rules were not checked."
         )
     print(report.render())
-    print(
-        "note: rules that need the loaded model or the tokenized data (`data.no_loss_tokens`, the reward head "
-        "check, `tokens.untrained_embeddings`, `precision.fp32_trainable_params`) run when the trainer is built."
-    )
+    built = ", ".join(f"`{rule_id}`" for rule_id in built_rule_ids())
+    print(f"note: rules that need the loaded model or the tokenized data ({built}) run when the trainer is built.")
     findings = report.user_findings
     blocked = [f for f in findings if f.action == "blocked"]
     if blocked:

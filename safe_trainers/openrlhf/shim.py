@@ -13,7 +13,6 @@ import shlex
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 from typing import Any, TextIO
 
 from ..arguments import SAFETY_MODES
@@ -176,7 +175,7 @@ def plan(
     enabled = [rule for rule in RULES if rule.id not in disabled]
     skipped = skipped_findings((r for r in RULES if r.id in disabled), SHIM_OPT_OUT)
     report = SafetyReport(trainer="openrlhf", mode=mode, findings=skipped, opt_out=SHIM_OPT_OUT)
-    final = run_stage(command, enabled, SimpleNamespace(safety_mode=mode), report, check=check, apply=apply)
+    final = run_stage(command, enabled, mode, report, check=check, apply=apply)
     new_argv = final.argv if mode == "fix" else argv
     return Plan(new_argv, report, command, generations, source, models, tuple(notes))
 

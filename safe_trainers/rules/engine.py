@@ -1,4 +1,8 @@
-"""Run the rules: select them, collect findings, decide what to apply or raise. Decisions only, no side effects."""
+"""Run the rules: select them, collect findings, decide what to apply or raise.
+
+`run_stage` decides; the caller passes the action (`apply`) that carries a fix out on its own target (a trainer setup,
+a built trainer, an OpenRLHF command). The trainers' two stages, with their actions, are in `stages.py`.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from . import DEFAULT_RULES, Rule
 T = TypeVar("T")
 
 
-def select_rules(kind: str, settings: SafetyArguments, rules: Iterable[Rule] = DEFAULT_RULES) -> tuple[list[Rule], list[Rule]]:
+def select_rules(
+    kind: str, settings: SafetyArguments, rules: Iterable[Rule] = DEFAULT_RULES
+) -> tuple[list[Rule], list[Rule]]:
     """The rules that apply to `kind`, split into `(enabled, disabled by the user)`."""
     applicable = [r for r in rules if kind in r.trainers]
     disabled = set(settings.safety_disable_rules)
@@ -25,13 +31,14 @@ def select_rules(kind: str, settings: SafetyArguments, rules: Iterable[Rule] = D
 def run_stage(
     target: T,
     rules: Iterable[Rule],
-    settings: SafetyArguments,
+    mode: str,
     report: SafetyReport,
     *,
     check: Callable[[Rule, T], Finding | None],
     apply: Callable[[T, Finding], T],
 ) -> T:
-    """Run `check` for each rule on `target`, record the findings in `report`, and return the updated target.
+    """Run `check` for each rule on `target` under `safety_mode` `mode`, record the findings in `report`, and return
+    the updated target.
 
     First every rule checks the target as given: blocked findings (in `"strict"` mode every finding but a changed
     library default, see [`Finding.library_default`]) are raised
@@ -40,7 +47,7 @@ def run_stage(
     earlier fixes. In `"warn"` mode fixes are reported as warnings and nothing changes.
     """
     rules = list(rules)
-    strict = settings.safety_mode == "strict"
+    strict = mode == "strict"
     opt_out = report.opt_out
     first = [f for f in (check(rule, target) for rule in rules) if f is not None]
     # `strict` refuses every finding about the user's own settings; a changed library default is still applied.
@@ -48,7 +55,7 @@ def run_stage(
     blocked = [_as_blocked(f, strict, opt_out) for f in refused]
     if blocked:
         raise SafetyError(blocked, opt_out=opt_out)
-    if settings.safety_mode == "warn":
+    if mode == "warn":
         for finding in first:
             if finding.action == "fixed":
                 note = f" (not applied: {opt_out.set_mode('warn')})"

@@ -948,7 +948,7 @@ def test_no_loss_tokens_blocked_raises_through_engine():
     )
     s = settings()
     with pytest.raises(SafetyError, match=r"\[data.no_loss_tokens\] all 1 training examples"):
-        run_stage(built, [rule], s, new_report("kto", s), check=lambda r, b: r.check_built(b), apply=lambda b, f: b)
+        run_stage(built, [rule], s.safety_mode, new_report("kto", s), check=lambda r, b: r.check_built(b), apply=lambda b, f: b)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1031,7 +1031,7 @@ def test_engine_blocked_findings_raise_before_any_fix():
     enabled, _ = select_rules("kto", s)
     report = new_report("kto", s)
     with pytest.raises(SafetyError, match=r"\(2 problems\)") as exc:
-        run_stage(setup, enabled, s, report, check=lambda r, t: r.check(t), apply=apply_to_setup)
+        run_stage(setup, enabled, s.safety_mode, report, check=lambda r, t: r.check(t), apply=apply_to_setup)
     assert [f.rule_id for f in exc.value.findings] == ["kto.batch_and_labels", "dpo.beta_positive"]
     assert "optim.grad_clip" not in str(exc.value)
     # Blocked findings raise before any fix is applied: nothing was changed or recorded as fixed.

@@ -15,9 +15,8 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from safe_trainers.testing import toy
-from safe_trainers.rules.apply import apply_to_setup
 from safe_trainers.arguments import SafetyArguments
-from safe_trainers.rules.engine import new_report, run_stage, select_rules
+from safe_trainers.rules.stages import run_setup_rules
 from safe_trainers.scripts.launch import model_and_peft, parse_args
 from safe_trainers.rules.context import TrainerSetup, build_setup, load_deepspeed_config
 
@@ -135,11 +134,7 @@ def pre_construction_setup(kind: str, script_args, args, model_args) -> TrainerS
 
 
 def run_rules(setup: TrainerSetup):
-    settings = SafetyArguments.from_config(setup.args)
-    enabled, disabled = select_rules(setup.kind, settings)
-    report = new_report(setup.kind, settings, disabled)
-    setup = run_stage(setup, enabled, settings, report, check=lambda r, s: r.check(s), apply=apply_to_setup)
-    return setup, report
+    return run_setup_rules(setup, SafetyArguments.from_config(setup.args))
 
 
 @pytest.mark.parametrize("name", sorted(TRAINER_CONFIGS))
@@ -213,7 +208,8 @@ def test_bad_deepspeed_config_rules(toy_models, tmp_path):
 
 TRAINER_WITH_BAD_DEEPSPEED = """
 import json, sys
-from safe_trainers import DPOConfig, DPOTrainer, toy
+from safe_trainers import DPOConfig, DPOTrainer
+from safe_trainers.testing import toy
 model, ds, out = sys.argv[1:4]
 args = DPOConfig(output_dir=out, deepspeed=ds, use_cpu=True, max_steps=1, report_to="none")
 trainer = DPOTrainer(model=model, args=args, train_dataset=toy.dataset_for("dpo"))
