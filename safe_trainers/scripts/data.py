@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import trl
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
-
 from ..kinds import get_kind
 from ..testing import toy
 
 if TYPE_CHECKING:
+    from datasets import Dataset
+
     from .launch import ScriptArguments
 
 
@@ -24,6 +23,8 @@ def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
     JSONL or Parquet file (its rows form split `split`), a `save_to_disk` folder, or any folder `load_dataset` reads.
     A `datasets:` mixture ([`~trl.DatasetMixtureConfig`]) wins over `dataset_name`, as in TRL's scripts. With neither,
     the deterministic toy dataset for `kind`."""
+    from datasets import DatasetDict, load_dataset, load_from_disk  # imported on use: `safe-trainers check` loads no data
+
     get_kind(kind)
     if script_args.datasets:  # a `datasets:` mixture, loaded as TRL's scripts load it
         return _mixture_split(script_args, split)
@@ -52,6 +53,8 @@ def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
 
 
 def _mixture_split(script_args: ScriptArguments, split: str) -> Dataset:
+    import trl
+
     mixture = trl.get_dataset(script_args)
     if split not in mixture:
         raise ValueError(

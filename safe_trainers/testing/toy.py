@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from datasets import Dataset
 
 from ..kinds import get_kind
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 
 Family = Literal["qwen2", "llama", "gemma2", "gemma3"]
@@ -109,6 +111,8 @@ def _sentence(rng: random.Random, n: int) -> str:
 
 def prompt_completion_dataset(n: int = 32, seed: int = 0) -> Dataset:
     """Prompt-completion data (`prompt`, `completion`) for SFT (TRL trains on the completion tokens only)."""
+    from datasets import Dataset
+
     rng = random.Random(seed)
     return Dataset.from_list(
         [{"prompt": _sentence(rng, 4), "completion": " yes good " + _sentence(rng, 3)} for _ in range(n)]
@@ -122,6 +126,8 @@ def preference_dataset(n: int = 32, seed: int = 0) -> Dataset:
         {"prompt": _sentence(rng, 4), "chosen": " yes good " + _sentence(rng, 3), "rejected": " no bad " + _sentence(rng, 3)}
         for _ in range(n)
     ]
+    from datasets import Dataset
+
     return Dataset.from_list(rows)
 
 
@@ -133,11 +139,15 @@ def unpaired_dataset(n: int = 32, seed: int = 0) -> Dataset:
         good = i % 2 == 0
         completion = (" yes good " if good else " no bad ") + _sentence(rng, 3)
         rows.append({"prompt": _sentence(rng, 4), "completion": completion, "label": good})
+    from datasets import Dataset
+
     return Dataset.from_list(rows)
 
 
 def prompt_dataset(n: int = 16, seed: int = 0) -> Dataset:
     """Prompt-only data (`prompt`) for GRPO and RLOO."""
+    from datasets import Dataset
+
     rng = random.Random(seed)
     return Dataset.from_list([{"prompt": _sentence(rng, 4)} for _ in range(n)])
 
