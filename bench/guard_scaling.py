@@ -1,0 +1,148 @@
+"""Benchmark: the NaN guard's cost as the model grows, on the CPU.
+
+For each model size (Qwen2-style, built from a config, randomly initialised, from about 1M to 190M parameters) it
+trains the DPO workload of `workload.py` with stock TRL (`trl.DPOTrainer`) and with `safe_trainers.DPOTrainer` (rules
+and guard on, default fused AdamW) in the same process, in `--rounds` pairs of runs whose order alternates, then times
+the guard's state check + snapshot and a restore, and reads the host memory the snapshot holds.
+
+Times are the process's CPU time on one torch thread by default: on a shared machine, other processes' load inflates
+wall time far more than the work this process does (`--clock wall --threads 2` for wall time).
+
+Prints a markdown table. What it should show: the guard's per-step cost (safe - stock) stays flat, a few ms whatever
+the size, so its ratio to a step tends to 1; the snapshot's cost grows linearly with the state it copies (about
+constant ms per MB). The last column is `safe_trainers.guard.memory`'s estimate of the snapshot (fp32 weights and two
+fp32 AdamW moments, 12 bytes per parameter), next to what the snapshot really holds (which adds AdamW's step counters).
+
+    python bench/guard_scaling.py                      # a few minutes on 2 cores
+    python bench/guard_scaling.py --sizes 128x4,512x6 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from workload import (
+    StepTimer,
+    build_model_dir,
+    dataset,
+    device_name,
+    make_trainer,
+    markdown_table,
+    quiet,
+    release,
+    snapshot_bytes,
+    time_snapshot,
+)
+
+from safe_trainers.guard.memory import RunShape, per_rank_bytes
+
+
+# `cpu`: the CPU time of this process, which other processes on a shared machine inflate far less than wall time.
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+# hidden size x layers: about 1.1M, 4M, 24M, 71M and 190M parameters (vocabulary 384, MLP 4x hidden, GQA).
+SIZES = "128x4,256x4,512x6,768x8,1024x12"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=SIZES, help="comma-separated HIDDENxLAYERS model sizes")
+    parser.add_argument("--seq", type=int, default=64, help="about this many tokens per sequence")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
+    parser.add_argument("--rounds", type=int, default=2, help="(stock, safe) pairs of runs per size")
+    parser.add_argument("--repeats", type=int, default=3, help="snapshots and restores timed per size")
+    parser.add_argument("--optim", default="adamw_torch_fused")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
+    return parser.parse_args(argv)
+
+
+def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
+    """One table row: `ns.rounds` (stock, safe) pairs of runs of one model size, the order alternating, then the
+    snapshot's time and memory."""
+    model_dir = build_model_dir(os.path.join(root, f"{hidden}x{layers}"), hidden, layers)
+    data = dataset(ns.steps * ns.batch, ns.seq)
+    times = {"stock": [], "safe": []}
+    for round_index in range(ns.rounds):
+        for kind in ("stock", "safe") if round_index % 2 == 0 else ("safe", "stock"):
+            out = os.path.join(root, f"{hidden}x{layers}-{kind}{round_index}")
+            # `nan_snapshot_steps` past the run: no periodic snapshot inside the timed steps (it is timed apart).
+            trainer = make_trainer(kind, model_dir, out, data, ns.steps, ns.batch, ns.steps + 1, ns.optim)
+            timer = StepTimer(CLOCKS[ns.clock])
+            trainer.add_callback(timer)
+            trainer.train()
+            times[kind] += timer.times[ns.warmup :]
+            if kind == "safe" and round_index == 0:
+                taken, restored = time_snapshot(trainer, ns.repeats, CLOCKS[ns.clock])
+                held = snapshot_bytes(trainer.nan_guard.snapshotter.snapshot)
+                params = sum(p.numel() for p in trainer.model.parameters())
+            del trainer
+            release()
+            shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
+    stock, safe = statistics.median(times["stock"]), statistics.median(times["safe"])
+    snapshot, restore = statistics.median(taken), statistics.median(restored)
+    estimate = per_rank_bytes(RunShape(f"{hidden}x{layers}", params, params, "single"))
+    return (
+        f"{params / 1e6:.1f}M",
+        f"{stock * 1e3:.0f}",
+        f"{safe * 1e3:.0f}",
+        f"{(safe - stock) * 1e3:+.1f}",
+        f"{safe / stock:.3f}",
+        f"{snapshot * 1e3:.1f}",
+        f"{snapshot * 1e3 / (held / 1e6):.3f}",
+        f"{restore * 1e3:.1f}",
+        f"{held:,}",
+        f"{estimate:,}",
+    )
+
+
+HEADER = [
+    "parameters",
+    "stock step (ms)",
+    "safe step (ms)",
+    "safe - stock (ms)",
+    "safe / stock",
+    "check + snapshot (ms)",
+    "snapshot ms per MB",
+    "restore (ms)",
+    "snapshot held (bytes)",
+    "estimate (bytes)",
+]
+
+
+def main(argv=None) -> int:
+    ns = parse(argv)
+    quiet()
+    torch.set_num_threads(ns.threads)
+    root = tempfile.mkdtemp(prefix="guard-scaling-")
+    start = time.perf_counter()
+    rows = []
+    try:
+        for size in ns.sizes.split(","):
+            hidden, layers = (int(v) for v in size.split("x"))
+            rows.append(measure_size(ns, hidden, layers, root))
+            print(f"measured {size} ({rows[-1][0]} parameters)", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    clock = "CPU time of the process" if ns.clock == "cpu" else "wall time"
+    print(
+        f"\nDPO, batch {ns.batch}, ~{ns.seq} tokens, {device_name()}, {ns.threads} torch thread(s), "
+        f"optim={ns.optim}. Times are {clock}; step times are medians over {ns.rounds} runs x "
+        f"{ns.steps - ns.warmup} steps (after {ns.warmup} warm-up steps each); check + snapshot and restore are "
+        f"medians of {ns.repeats}; MB = 10^6 bytes. The bench took {time.perf_counter() - start:.0f} s of wall time.\n"
+    )
+    print(markdown_table(HEADER, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

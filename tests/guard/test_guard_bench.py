@@ -1,0 +1,31 @@
+"""The guard's benches still run against the guard they measure (a tiny model, a few steps; no timing is checked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--steps", "3", "--seq", "16", "--batch", "2"]
+
+
+SCALING = ["--sizes", "32x1", "--warmup", "1", "--rounds", "1", "--repeats", "1"]
+OVERHEAD = ["--hidden", "32", "--layers", "1", "--rounds", "1", "--optims", "adamw_torch"]
+
+
+@pytest.mark.parametrize(
+    "script,args,expected",
+    [("guard_scaling.py", SCALING, "snapshot held"), ("guard_overhead.py", OVERHEAD, "rollback")],
+)
+def test_bench_runs_and_prints_its_table(script, args, expected):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    command = [sys.executable, str(ROOT / "bench" / script), *TINY, *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) >= 2 and any(expected in line for line in table), done.stdout[-3000:]
