@@ -1,0 +1,65 @@
+"""The snapshot's host memory (`safe_trainers.guard.memory`): the estimate by hand, the estimate against a real
+snapshot, and the table in docs/guard.md generated from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from safe_trainers.guard.memory import RunShape, memory_table, per_node_bytes, per_rank_bytes
+
+from trainer_utils import build  # tests/ is on sys.path, as for conftest
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+B7, LORA7 = 7_000_000_000, 40_000_000
+LORA7_STATE = 12 * LORA7 + 2 * (B7 - LORA7)  # adapters: fp32 weights + 2 fp32 moments; base: bf16
+
+
+@pytest.mark.parametrize(
+    "run,rank_bytes,node_bytes",
+    [
+        # DDP, full fine-tune: fp32 weights and two fp32 moments, whole on every rank; 8 ranks on each node.
+        (RunShape("", B7, B7, "ddp", world_size=64), 12 * B7, 8 * 12 * B7),
+        # FSDP2 and ZeRO-3 shard the same 12 bytes per parameter (ZeRO: master + moments, no 16-bit weights).
+        (RunShape("", B7, B7, "fsdp2", world_size=8), 12 * B7 // 8, 12 * B7),
+        (RunShape("", B7, B7, "zero3", world_size=64), 12 * B7 // 64, 12 * B7 // 8),
+        # LoRA: the frozen bf16 base is copied (once) unless ZeRO owns the optimizer, which holds the adapters only.
+        (RunShape("", B7, LORA7, "ddp", world_size=8), LORA7_STATE, 8 * LORA7_STATE),
+        (RunShape("", B7, LORA7, "fsdp2", world_size=8), LORA7_STATE // 8, LORA7_STATE),
+        (RunShape("", B7, LORA7, "zero3", world_size=8), 12 * LORA7 // 8, 12 * LORA7),
+        # One GPU; a full fine-tune loaded in bf16 keeps bf16 weights and moments.
+        (RunShape("", 1000, 1000, "single", weight_bytes=2, moment_bytes=2), 6000, 6000),
+    ],
+)
+def test_bytes_per_rank_and_node(run, rank_bytes, node_bytes):
+    assert (per_rank_bytes(run), per_node_bytes(run)) == (rank_bytes, node_bytes)
+
+
+def test_unknown_strategy_is_refused():
+    with pytest.raises(ValueError, match="`strategy='tp'`"):
+        per_rank_bytes(RunShape("", 10, 10, "tp"))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_estimate_matches_a_real_snapshot(lora, toy_models, tmp_path):
+    peft = {"trainer_peft_config": LoraConfig(target_modules=["q_proj", "v_proj"], r=4)} if lora else {}
+    trainer = build("sft", toy_models["qwen2"], tmp_path, max_steps=1, **peft)
+    trainer.train()
+    snapshot = trainer.nan_guard.snapshotter.snapshot
+    held = list(snapshot.params.values())
+    held += [v for slot in snapshot.optimizer_state.values() for v in slot.values() if torch.is_tensor(v)]
+    held_bytes = sum(t.numel() * t.element_size() for t in held)
+    params = list(trainer.model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    assert {p.dtype for p in params} == {torch.float32}  # the toy checkpoint is fp32, frozen base included
+    run = RunShape("toy", sum(p.numel() for p in params), sum(p.numel() for p in trainable), "single", frozen_bytes=4)
+    # The estimate leaves out AdamW's step counters: one fp32 scalar per trainable tensor.
+    assert held_bytes - per_rank_bytes(run) == 4 * len(trainable)
+
+
+def test_the_memory_table_in_the_docs_is_generated_and_fresh():
+    assert memory_table() in (DOCS / "guard.md").read_text()
