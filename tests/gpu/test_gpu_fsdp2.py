@@ -1,0 +1,64 @@
+"""FSDP2 end to end on one GPU: a one-process `accelerate launch` with accelerate's FSDP plugin at `fsdp_version=2`
+and `FULL_STATE_DICT` saves, a NaN loss injected at step 3. The guard skips that step, the run ends at `max_steps`,
+and every checkpoint and the saved model are finite."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from safe_trainers.guard import read_events
+from safe_trainers.testing.toy import save_toy_model
+
+from gpu_utils import nonfinite_files, tensor_files
+from guard_utils import checkpoint_steps
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO, "tests", "workers", "fsdp2_worker.py")
+# accelerate's FSDP2 plugin, inline (no accelerate config file is shipped for FSDP2).
+FSDP2 = [
+    "--use_fsdp", "--fsdp_version", "2", "--fsdp_state_dict_type", "FULL_STATE_DICT",
+    "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_reshard_after_forward", "true",
+    "--mixed_precision", "bf16",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_fsdp2_run_skips_the_fault_and_saves_finite(kind, tmp_path):
+    model = save_toy_model(str(tmp_path / "model"), "qwen2")
+    out = tmp_path / "out"
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+        "--dynamo_backend", "no", "--main_process_port", str(free_port()), *FSDP2,
+    ]  # fmt: skip
+    cmd = launch + [WORKER, "--kind", kind, "--model", model, "--out", str(out), "--fault", "loss:3"]
+    env = dict(os.environ, PYTHONPATH=REPO, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    with open(out / "result.json") as f:
+        result = json.load(f)
+    assert result["fsdp_version"] == 2 and "FULL_STATE_DICT" in result["state_dict_type"]
+    # The diagnosis replays step 3's micro-batches, poisoned the same way: the fault may be listed more than once.
+    assert {tuple(i) for i in result["injected"]} == {(3, "loss")} and result["global_step"] == 8
+    assert (result["skipped"], result["rollbacks"]) == (1, 0)
+    events = read_events(str(out / "run"))
+    assert [(e["step"], e["kind"]) for e in events] == [(3, "skip")]
+    assert checkpoint_steps(str(out / "run")) == [4, 8]
+    files = tensor_files(str(out))
+    final = [p for p in files if p.startswith(str(out / "final"))]
+    assert any(p.endswith("model.safetensors") for p in final), files  # the gathered full model
+    assert all(any(p.startswith(str(out / "run" / f"checkpoint-{s}")) for p in files) for s in (4, 8)), files
+    assert not nonfinite_files(files)
