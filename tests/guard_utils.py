@@ -74,7 +74,36 @@ def nonfinite_in_checkpoints(output_dir: str) -> list[str]:
         tensors = [v for s in state["state"].values() for v in s.values() if torch.is_tensor(v)]
         if any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
             bad.append(path)
+    for path in glob.glob(os.path.join(output_dir, "**", "*.distcp"), recursive=True):
+        directory = os.path.dirname(path)
+        if directory not in bad and not all_finite_dcp(directory):
+            bad.append(directory)
     return bad
+
+
+def all_finite_dcp(directory: str) -> bool:
+    """Whether a torch distributed checkpoint (FSDP's `SHARDED_STATE_DICT`: `pytorch_model_fsdp_0/`,
+    `optimizer_0/`) holds only finite tensors, gathered whole on the host with torch's format utilities."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "gathered.pt")
+        dcp_to_torch_save(directory, path)
+        state = torch.load(path, weights_only=False)
+    tensors = []
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        if torch.is_tensor(node):
+            tensors.append(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    assert tensors, f"no tensor in {directory}"
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 def checkpoint_steps(output_dir: str) -> list[int]:

@@ -21,6 +21,7 @@ import torch
 from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
 from .collectives import ranks_with_flag
 from .events import EventLog, NanEvent
+from .backends import refuse_unsupported_backend
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
 from .policy import (
@@ -43,6 +44,7 @@ class NanGuard:
     """
 
     def __init__(self, trainer: Any, settings: Any):
+        refuse_unsupported_backend(trainer)
         self.trainer = trainer
         self.settings = settings
         self.events = EventLog(trainer.args.output_dir, write=trainer.is_world_process_zero())
@@ -292,3 +294,4 @@ class NanGuard:
 
 
 __all__ = ["NanGuard"]
+

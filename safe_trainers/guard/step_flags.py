@@ -14,6 +14,7 @@ import torch
 
 from .collectives import agree_any, ranks_with_flag
 from .policy import StepRecord
+from .sharding import replicated
 
 
 class PendingStep(NamedTuple):
@@ -68,7 +69,7 @@ class StepFlags:
             if torch.is_tensor(grad_norm)
             else torch.tensor(float("nan") if grad_norm is None else float(grad_norm), device=device)
         )
-        norm = norm.detach().float().to(local.device)
+        norm = replicated(norm).detach().float().to(local.device)  # FSDP2 returns it as a `DTensor`
         norm_bad = ~torch.isfinite(norm)
         if optimizer_skipped:
             norm_bad = norm_bad | torch.tensor(True, device=local.device)

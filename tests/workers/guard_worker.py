@@ -5,6 +5,8 @@ Launched by the distributed guard tests, e.g.:
         --model MODEL_DIR --out DIR
     deepspeed --num_gpus 2 tests/workers/guard_worker.py --kind dpo --fault loss:6:1 --model MODEL_DIR --out DIR \
         --deepspeed zero3.json
+    torchrun --nproc_per_node 2 tests/workers/guard_worker.py --kind dpo --fault loss:6:1 --model MODEL_DIR --out DIR \
+        --fsdp SHARDED_STATE_DICT
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for guard_utils
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers/, for fsdp_on_cpu
 
 import safe_trainers as st  # noqa: E402
 from guard_utils import TRAINERS, guarded_trainer, recording  # noqa: E402
+from safe_trainers.guard.sharding import replicated  # noqa: E402
 from safe_trainers.testing.faults import Fault  # noqa: E402
 from safe_trainers.kinds import TRAINER_KINDS  # noqa: E402
 
@@ -36,6 +40,7 @@ def parse(argv=None):
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", required=True, help="a saved toy model (safe_trainers.testing.toy.save_toy_model)")
     parser.add_argument("--deepspeed", default=None)
+    parser.add_argument("--fsdp", default=None, help="FSDP2 with this `state_dict_type` (CPU ranks: fsdp_on_cpu)")
     parser.add_argument("--max_steps", type=int, default=8)
     parser.add_argument("--max_rollbacks", type=int, default=3)
     parser.add_argument("--lora", action="store_true")
@@ -46,6 +51,39 @@ def parse(argv=None):
     return parser.parse_args(argv)
 
 
+def fsdp2_config(state_dict_type: str) -> dict:
+    """The settings of `configs/accelerate/fsdp2.yaml` (transformer-based wrap, reshard after forward)."""
+    return {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+        "reshard_after_forward": True,
+        "state_dict_type": state_dict_type,
+    }
+
+
+def build(ns: argparse.Namespace, faults: list[Fault], peft_config, fsdp: dict):
+    return guarded_trainer(
+        ns.kind,
+        ns.model,
+        os.path.join(ns.out, "run"),
+        faults,
+        peft_config=peft_config,
+        trainer_cls=recording(TRAINERS[ns.kind]),
+        max_steps=ns.max_steps,
+        save_steps=ns.save_steps,
+        gradient_accumulation_steps=ns.ga,
+        nan_max_rollbacks=ns.max_rollbacks,
+        deepspeed=ns.deepspeed,
+        **fsdp,
+    )
+
+
+def write_result(out: str, result: dict) -> None:
+    with open(os.path.join(out, f"result-rank{result['rank']}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
     if ns.deepspeed:
@@ -53,6 +91,12 @@ def main(argv=None) -> int:
         import deepspeed
 
         deepspeed.init_distributed()
+    fsdp = {}
+    if ns.fsdp:
+        import fsdp_on_cpu
+
+        fsdp_on_cpu.enable()
+        fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config=fsdp2_config(ns.fsdp))
     state = PartialState()
     faults = []
     for spec in ns.fault:
@@ -67,26 +111,14 @@ def main(argv=None) -> int:
 
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     # ns.model was written by the test before launching, so no rank races another to create it.
-    trainer = guarded_trainer(
-        ns.kind,
-        ns.model,
-        os.path.join(ns.out, "run"),
-        faults,
-        peft_config=peft_config,
-        trainer_cls=recording(TRAINERS[ns.kind]),
-        max_steps=ns.max_steps,
-        save_steps=ns.save_steps,
-        gradient_accumulation_steps=ns.ga,
-        nan_max_rollbacks=ns.max_rollbacks,
-        deepspeed=ns.deepspeed,
-    )
+    trainer = build(ns, faults, peft_config, fsdp)
     injector = trainer.fault_injector
     outcome = "finished"
     try:
         trainer.train(resume_from_checkpoint=ns.resume)
     except st.TrainingDivergedError as error:
         outcome = f"diverged: {error.checkpoint_dir}"
-    params = [p for p in trainer.model.parameters()]
+    params = [replicated(p) for p in trainer.model.parameters()]  # FSDP2: the whole parameter on every rank
     if trainer.is_deepspeed_enabled:
         optimizer = trainer.model_wrapped.optimizer
         flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
@@ -105,8 +137,7 @@ def main(argv=None) -> int:
         "seen": getattr(trainer, "seen", []),
         "checksum": float(sum(p.detach().double().sum() for p in params if p.numel() > 0)),
     }
-    with open(os.path.join(ns.out, f"result-rank{state.process_index}.json"), "w") as f:
-        json.dump(result, f)
+    write_result(ns.out, result)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()  # destroys the process group before the interpreter exits
     return 0
