@@ -42,7 +42,8 @@ class Rule:
 
     Subclasses set the class attributes and override `check` (runs on a [`TrainerSetup`] before the model is loaded),
     `check_built` (runs on a [`BuiltTrainer`] after construction), or both. Checks are pure: they read and return a
-    [`Finding`] (or `None`); the trainer applies the changes.
+    [`Finding`] (or `None`). The stages act on it: before construction the changes are applied from their paths
+    (`rules/apply.py`); after it, by the rule's own `apply_built` (overridden by every rule whose `check_built` fixes).
 
     Attributes:
         id (`str`): stable id used in reports and in `safety_disable_rules`. Never renamed once released.
@@ -61,6 +62,11 @@ class Rule:
 
     def check_built(self, built: BuiltTrainer) -> Finding | None:
         return None
+
+    def apply_built(self, trainer: Any, finding: Finding) -> None:
+        """Carry out a fix that `check_built` returned on the built trainer, in place (an action: the built stage calls
+        it for each fix it applies). `finding.data` holds what the check found (rows to drop, parameter names)."""
+        raise NotImplementedError(f"`{self.id}` fixed the built trainer in `check_built` but has no `apply_built`.")
 
     # Helpers so that rules read like the reports they produce.
     def fixed(self, message: str, *changes: Change, **data: Any) -> Finding:

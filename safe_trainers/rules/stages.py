@@ -1,7 +1,10 @@
 """The trainers' two rule stages, one entry each, used by the safe trainers, `safe-trainers check` and the tests.
 
-1. `run_setup_rules`: before any weight is loaded, on the [`TrainerSetup`]; fixes change the setup.
-2. `run_built_rules`: after TRL's constructor, on the built trainer ([`BuiltTrainer`] view); fixes change the trainer.
+1. `run_setup_rules`: before any weight is loaded, on the [`TrainerSetup`]; fixes give a new setup (`apply_to_setup`).
+2. `run_built_rules`: after TRL's constructor, on the built trainer ([`BuiltTrainer`] view); each fix is carried out
+   in place by the rule that found it ([`Rule.apply_built`]).
+
+The engine (`engine.py`) decides what is raised, reported and applied; these entries give it the actions.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from typing import Any
 from ..arguments import SafetyArguments
 from ..errors import SafetyError
 from . import DEFAULT_RULES, BuiltTrainer, Rule
-from .apply import apply_to_setup, apply_to_trainer
+from .apply import apply_to_setup
 from .context import TrainerSetup
 from .engine import new_report, run_stage, select_rules
-from .report import SafetyReport
+from .report import Finding, SafetyReport
 
 
 def run_setup_rules(
@@ -49,19 +52,29 @@ def run_setup_rules(
 
 
 def run_built_rules(
-    trainer: Any, settings: SafetyArguments, report: SafetyReport, source_rows: int | None = None
+    trainer: Any,
+    settings: SafetyArguments,
+    report: SafetyReport,
+    source_rows: int | None = None,
+    *,
+    rules: Iterable[Rule] = DEFAULT_RULES,
 ) -> None:
     """Run the rules that need the loaded model or the tokenized data on a built safe trainer, recording them in
-    `report`; fixes are applied to the trainer. `source_rows`: the training set's size as passed, before TRL's
-    preprocessing."""
+    `report`; each fix is applied to the trainer, in place, by its rule's `apply_built`. `source_rows`: the training
+    set's size as passed, before TRL's preprocessing; `rules`: the rule set (default: every built-in rule)."""
     if settings.safety_mode == "off":
         return
-    enabled, _ = select_rules(trainer._safety_kind, settings)
+    enabled, _ = select_rules(trainer._safety_kind, settings, rules)
+    owners = {rule.id: rule for rule in enabled}
 
     def check(rule: Rule, target: Any) -> Any:
         return rule.check_built(built_view(target, source_rows))
 
-    run_stage(trainer, enabled, settings.safety_mode, report, check=check, apply=apply_to_trainer)
+    def apply(target: Any, finding: Finding) -> Any:
+        owners[finding.rule_id].apply_built(target, finding)
+        return target
+
+    run_stage(trainer, enabled, settings.safety_mode, report, check=check, apply=apply)
 
 
 def built_view(trainer: Any, source_rows: int | None = None) -> BuiltTrainer:
