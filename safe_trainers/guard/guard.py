@@ -27,7 +27,9 @@ from .localize import RecentBatches, diagnose
 from .policy import (
     SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows,
 )  # fmt: skip
-from .recovery import abort, record_overflows, record_skips, refuse_save, restore_at_end, roll_back
+from .recovery import (
+    Restored, abort, record_overflows, record_rollback, record_skips, restore_at_end, restore_last_good,
+)  # fmt: skip
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 from .step_flags import StepFlags, loss_scale
@@ -117,15 +119,6 @@ class NanGuard:
             scale_learning_rate(optimizer, scheduler, configured / saved)
         self.state.learning_rate = configured
 
-    def save_state(self, checkpoint_dir: str) -> None:
-        self.state.save(checkpoint_dir)
-
-    def log_counters(self) -> dict[str, int]:
-        return self.state.counters()
-
-    def refuse_save(self, step: int) -> None:
-        refuse_save(self, step)
-
     # ------------------------------------------------------------------ hot path (no host sync)
     def record_inputs(self, inputs: Any) -> None:
         """Keep a host copy of one micro-batch's prepared inputs, for diagnosis."""
@@ -149,17 +142,8 @@ class NanGuard:
 
     def apply_skip(self, optimizer: Any) -> None:
         """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
-        fault = self.flags.fault_now
-        if fault is None or (self.snapshotter and self.snapshotter.deepspeed_stage is not None):
-            return
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if getattr(inner, "_step_supports_amp_scaling", False) and not self.flags.loss_scaled:
-            # Fused optimizers skip on the device when `found_inf` is set, and undo their step counter.
-            inner.found_inf = fault.to(torch.float32)
-        elif bool(fault):  # one host read: this optimizer cannot skip on the device
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    param.grad = None
+        if self.snapshotter is None or self.snapshotter.deepspeed_stage is None:  # DeepSpeed skips them itself
+            self.flags.skip_update(optimizer)
 
     # ------------------------------------------------------------------ inspection
     def at_boundary(self, control: Any) -> Verdict | None:
@@ -175,12 +159,9 @@ class NanGuard:
         snapshot_due = step % self.settings.nan_snapshot_steps == 0
         publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
         publishing = publishing or syncs_reference_model(trainer.args, step)
-        verdict = None
         if control.should_log or publishing or snapshot_due or len(self.flags.pending) >= self.settings.nan_snapshot_steps:
-            verdict = self.inspect(control, verify=publishing or snapshot_due, snapshot=publishing or snapshot_due)
-        if control.should_log and step > trainer._globalstep_last_logged:  # the Trainer logs this step
-            trainer._guard_window_loss = self.ledger.close_window()
-        return verdict
+            return self.inspect(control, verify=publishing or snapshot_due, snapshot=publishing or snapshot_due)
+        return None
 
     def before_publishing(self, control: Any) -> None:
         """Right before the Trainer evaluates or saves: verify the state afresh (a callback that runs after the
@@ -196,7 +177,8 @@ class NanGuard:
             return
         self.verified_step = -1
         if not self.state_is_finite():
-            restore_at_end(self)
+            restored = restore_at_end(self.trainer, self.snapshotter, self.events, self.damaged_ranks)
+            self.verified_step = restored.at_step
 
     def before_generation(self) -> None:
         """GRPO/RLOO, before sampling a generation batch: judge the pending steps and verify the state now (not from
@@ -218,13 +200,14 @@ class NanGuard:
             records, self._consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite
         )
         self._consecutive = verdict.consecutive
-        record_overflows(self, verdict.overflows)
+        self.state.overflow_steps += record_overflows(self.events, verdict.overflows)
         diagnosis = None
         if (
             verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
         ) and not self.state.localized:
             diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
-        record_skips(self, verdict.skipped, diagnosis)
+        self.state.skipped_steps += record_skips(self.events, verdict.skipped, diagnosis)
+        self.ledger.record_skips(len(verdict.skipped))
         self.batches.clear()
         if verdict.rollback is not None:
             if can_roll_back(self.rollbacks_this_run, self.settings.nan_max_rollbacks):
@@ -270,17 +253,39 @@ class NanGuard:
             self._refresh_best = False
 
     def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
-        roll_back(self, verdict, records, diagnosis)
+        """Restore the last good state and go on (see `recovery.py`); record a `rollback` event."""
+        restored = self._restore_last_good()
+        self.state.rollbacks += 1
+        self.rollbacks_this_run += 1
+        record_rollback(self.events, verdict, records, diagnosis, restored, self.state.rollbacks, self.damaged_ranks)
 
     def abort(self, verdict: Verdict) -> None:
-        abort(self, verdict)
+        """Restore the last good state, save it as a checkpoint, record an `abort` event and raise."""
+        restored = self._restore_last_good()  # verified and counted before the checkpoint saves it
+        abort(self.trainer, self.events, verdict, restored, self.state, self.rollbacks_this_run, self.settings)
+
+    def _restore_last_good(self) -> Restored:
+        self._refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
+        restored = restore_last_good(self.trainer, self.snapshotter, self.settings.nan_lr_backoff)
+        self._after_restore(restored)
+        return restored
+
+    def _after_restore(self, restored: Restored) -> None:
+        """Count the backoff and discarded steps, trust the restored state (verified when taken), drop the window."""
+        self.state.lr_scale *= restored.lr_factor
+        self.state.discarded_steps += len(restored.discarded_steps)
+        self.verified_step = restored.at_step
+        self._consecutive = 0
+        self.flags.clear()
+        self.batches.clear()
+        if self.spike is not None:
+            self.spike.reset()
 
     def record_rewards(self, nonfinite: int, total: int, whole_groups: int) -> None:
         """GRPO/RLOO: some rewards came back NaN/None/Inf (called with gathered counts, identical on every rank)."""
         detail = {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups}
         self.events.add(NanEvent(self.trainer.state.global_step + 1, "reward", ["rewards"], [], detail))
 
-    # ------------------------------------------------------------------ helpers
     def _localize(self, step: int | None) -> dict[str, Any] | None:
         batches = self.batches.get(step)
         if not batches:  # every rank holds the batches of the same steps, so all ranks return here together

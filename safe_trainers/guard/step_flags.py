@@ -86,6 +86,20 @@ class StepFlags:
         self._loss_bad = self._loss_sum = None
         return fault
 
+    def skip_update(self, optimizer: Any) -> None:
+        """Make `optimizer.step()` a no-op when the step just closed is a fault (after clipping, before the step)."""
+        fault = self.fault_now
+        if fault is None:
+            return
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if getattr(inner, "_step_supports_amp_scaling", False) and not self.loss_scaled:
+            # Fused optimizers skip on the device when `found_inf` is set, and undo their step counter.
+            inner.found_inf = fault.to(torch.float32)
+        elif bool(fault):  # one host read: this optimizer cannot skip on the device
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+
     def read(self) -> list[StepRecord]:
         """The pending steps as [`StepRecord`]s, in one device-to-host transfer (and, only when a step is bad, one
         collective naming the ranks whose loss was non-finite); the pending list is emptied."""

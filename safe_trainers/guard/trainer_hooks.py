@@ -26,6 +26,7 @@ from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
 from ..errors import NonFiniteWeightsError
 from .checkpoint import STAGING_DIR, all_finite, clean_staging, publish, staging_run_dir
 from .guard import NanGuard
+from .recovery import refuse_save
 
 logger = logging.getLogger("safe_trainers")
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -37,7 +38,6 @@ class NanGuardTrainerMixin:
     nan_guard: NanGuard | None = None
     _staging_checkpoint = False
     _last_finite_total_loss = 0.0
-    _guard_window_loss: float | None = None
 
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
@@ -99,9 +99,10 @@ class NanGuardTrainerMixin:
         guard = self.nan_guard
         if guard is not None:
             if "loss" in logs:
-                if self._guard_window_loss is not None:
-                    logs["loss"] = self._guard_window_loss
-                self._guard_window_loss = None
+                # The window closes where the Trainer logs it: every rank calls `log` here, as the collective needs.
+                window_loss = guard.ledger.close_window()
+                if window_loss is not None:
+                    logs["loss"] = window_loss
                 # The Trainer's running totals must not stay NaN forever after a skipped step.
                 if isinstance(self._tr_loss, torch.Tensor) and not bool(torch.isfinite(self._tr_loss)):
                     self._tr_loss.zero_()
@@ -114,7 +115,7 @@ class NanGuardTrainerMixin:
                 if value is not None:
                     logs["train_loss"] = value
             if "train_runtime" not in logs:
-                logs.update(guard.log_counters())
+                logs.update(guard.state.counters())
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
@@ -133,7 +134,7 @@ class NanGuardTrainerMixin:
             return super()._save_checkpoint(model, trial)
         step = self.state.global_step
         if not guard.state_verified():
-            guard.refuse_save(step)  # not reached from the training loop, which restores a damaged state first
+            refuse_save(guard.events, step)  # not reached from the training loop, which restores a damaged state first
             return
         run_dir = self._get_output_dir(trial)
         name = f"checkpoint-{step}"
@@ -147,7 +148,7 @@ class NanGuardTrainerMixin:
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_FILE))  # with the published best path
-            guard.save_state(staged)
+            guard.state.save(staged)
             publish(staged, final)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub:
