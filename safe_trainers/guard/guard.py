@@ -21,7 +21,7 @@ import torch
 from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
 from .collectives import ranks_with_flag
 from .events import EventLog, NanEvent
-from .backends import refuse_unsupported_backend
+from .backends import refuse_unsupported_backend, training_backend
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
 from .policy import (
@@ -86,22 +86,9 @@ class NanGuard:
 
     def begin(self) -> None:
         """Called at `on_train_begin`: bind to the optimizer and take the first snapshot."""
-        trainer = self.trainer
-        stage = None
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        if trainer.is_deepspeed_enabled:
-            stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
-            optimizer = trainer.model_wrapped.optimizer
-            if stage == 0:
-                raise ValueError(
-                    "`nan_guard=True` supports DeepSpeed ZeRO stages 1, 2 and 3, got stage 0. Use ZeRO, or plain DDP, "
-                    "or set `nan_guard=False`."
-                )
-            loss_scaled = bool(trainer.model_wrapped.fp16_enabled())
-        else:
-            loss_scaled = trainer.accelerator.scaler is not None
-        self.snapshotter = Snapshotter(trainer.model, optimizer, stage)
-        self.flags = StepFlags(loss_scaled)
+        backend = training_backend(self.trainer)
+        self.snapshotter = Snapshotter(self.trainer.model, backend.optimizer, backend.zero_stage)
+        self.flags = StepFlags(backend.loss_scaled)
         self.batches.clear()
         if not self.state_is_finite():
             raise ValueError(

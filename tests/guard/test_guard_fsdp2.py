@@ -88,10 +88,11 @@ def test_fsdp2_persistent_fault_aborts_with_a_clean_checkpoint(tmp_path):
 def test_fsdp_version_1_is_refused_naming_fsdp2(version, refused):
     # accelerate refuses to build an FSDP1 plugin on CPU ("no available devices"): the wiring runs on a GPU
     # (tests/gpu); here, the decision.
-    problem = backend_problem(version)
+    problem = backend_problem(fsdp_version=version)
     assert (problem is not None) is refused
     if refused:
         assert "FSDP version 1" in problem and "fsdp_config={'version': 2}" in problem and "nan_guard=False" in problem
+    assert backend_problem(zero_stage=0) is not None and backend_problem(zero_stage=3) is None
 
 
 def test_the_checkpoint_check_sees_nan_in_a_distributed_checkpoint(tmp_path):
