@@ -13,11 +13,12 @@ from safe_trainers import SafetyArguments, SafetyError, configs
 from safe_trainers.rules import DEFAULT_RULES, Rule, grpo
 from safe_trainers.rules.report import Change, SafetyReport
 from safe_trainers.rules.stages import run_built_rules
-from safe_trainers.testing.toy import dataset_for
+from safe_trainers.testing.build import build_trainer, preset_args
+from safe_trainers.testing.toy import dataset_for, rank_reward
 from safe_trainers.trainers import trainer_class
 
 from rule_utils import make_setup, run_setup_stage  # tests/ is on sys.path, as for conftest
-from trainer_utils import actions, build, config_kwargs, rank_reward
+from trainer_utils import actions
 
 # --------------------------------------------------------------------------------------------------------------------
 # A built-time fix lives in its rule
@@ -56,7 +57,7 @@ class NoAction(Rule):
 
 
 def test_a_built_time_fix_is_applied_by_its_rule_and_reported_as_found(toy_models, tmp_path):
-    trainer = build("sft", toy_models["qwen2"], tmp_path)
+    trainer = build_trainer("sft", toy_models["qwen2"], tmp_path)
     rows = len(trainer.train_dataset)
     first = trainer.train_dataset[1]
     report = SafetyReport(trainer="sft", mode="fix")
@@ -90,7 +91,7 @@ def group_checks(monkeypatch):
 
 
 def test_group_check_runs_once_while_a_grpo_trainer_is_built(toy_models, tmp_path, group_checks):
-    args = configs.GRPOConfig(**config_kwargs("grpo", tmp_path, per_device_train_batch_size=2))
+    args = configs.GRPOConfig(**preset_args("grpo", tmp_path, per_device_train_batch_size=2))
     assert len(group_checks) == 1
     trainer = trainer_class("grpo")(
         model=toy_models["qwen2"], reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4)

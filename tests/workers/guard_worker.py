@@ -27,10 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers/, for fsdp_on_cpu
 
 import safe_trainers as st  # noqa: E402
-from guard_utils import TRAINERS, guarded_trainer, recording  # noqa: E402
+from guard_utils import recording  # noqa: E402
 from safe_trainers.guard.sharding import replicated  # noqa: E402
+from safe_trainers.testing.build import build_trainer  # noqa: E402
 from safe_trainers.testing.faults import Fault  # noqa: E402
 from safe_trainers.kinds import TRAINER_KINDS  # noqa: E402
+from safe_trainers.trainers import trainer_class  # noqa: E402
 
 
 def parse(argv=None):
@@ -62,23 +64,6 @@ def fsdp2_config(state_dict_type: str) -> dict:
     }
 
 
-def build(ns: argparse.Namespace, faults: list[Fault], peft_config, fsdp: dict):
-    return guarded_trainer(
-        ns.kind,
-        ns.model,
-        os.path.join(ns.out, "run"),
-        faults,
-        peft_config=peft_config,
-        trainer_cls=recording(TRAINERS[ns.kind]),
-        max_steps=ns.max_steps,
-        save_steps=ns.save_steps,
-        gradient_accumulation_steps=ns.ga,
-        nan_max_rollbacks=ns.max_rollbacks,
-        deepspeed=ns.deepspeed,
-        **fsdp,
-    )
-
-
 def write_result(out: str, result: dict) -> None:
     with open(os.path.join(out, f"result-rank{result['rank']}.json"), "w") as f:
         json.dump(result, f)
@@ -105,13 +90,27 @@ def main(argv=None) -> int:
         value = float(parts[3]) if len(parts) > 3 else float("nan")
         micro_batch = int(parts[4]) if len(parts) > 4 else None
         faults.append(Fault(step=int(parts[1]), kind=parts[0], rank=rank, value=value, micro_batch=micro_batch))
-    peft_config = None
+    lora = {}
     if ns.lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        lora["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     # ns.model was written by the test before launching, so no rank races another to create it.
-    trainer = build(ns, faults, peft_config, fsdp)
+    trainer = build_trainer(
+        ns.kind,
+        ns.model,
+        os.path.join(ns.out, "run"),
+        preset="guarded",
+        faults=faults,
+        trainer_cls=recording(trainer_class(ns.kind)),
+        max_steps=ns.max_steps,
+        save_steps=ns.save_steps,
+        gradient_accumulation_steps=ns.ga,
+        nan_max_rollbacks=ns.max_rollbacks,
+        deepspeed=ns.deepspeed,
+        trainer_kwargs=lora,
+        **fsdp,
+    )
     injector = trainer.fault_injector
     outcome = "finished"
     try:
