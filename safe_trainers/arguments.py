@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 SafetyMode = Literal["fix", "warn", "strict", "off"]
 SAFETY_MODES: tuple[str, ...] = ("fix", "warn", "strict", "off")
+ROLLBACK_SOURCES: tuple[str, ...] = ("memory", "checkpoint")
 
 
 @dataclass
@@ -37,6 +38,11 @@ class SafetyArguments:
         back to the last good state when the weights or optimizer state are damaged.
     nan_snapshot_steps (`int`, *optional*, defaults to `10`):
         Keep a copy of the last good training state (in host memory) every this many optimizer steps.
+    nan_rollback_from (`str`, *optional*, defaults to `"memory"`):
+        Where a rollback takes the last good state from: `"memory"` (the host copy above) or `"checkpoint"` (the
+        newest verified checkpoint on disk: no host copy, a slower restore, and the steps since that checkpoint are
+        discarded). The `memory.snapshot_fits` rule switches to `"checkpoint"` when the copy would not fit in the
+        host memory available.
     nan_max_rollbacks (`int`, *optional*, defaults to `3`):
         After this many rollbacks, save the last good state as a checkpoint and raise [`TrainingDivergedError`].
     nan_max_consecutive_skips (`int`, *optional*, defaults to `3`):
@@ -71,6 +77,15 @@ class SafetyArguments:
     nan_snapshot_steps: int = field(
         default=10,
         metadata={"help": "Keep the last good training state in host memory every this many optimizer steps."},
+    )
+    nan_rollback_from: str = field(
+        default="memory",
+        metadata={
+            "help": "Where a rollback takes the last good state from: `memory` (a host copy taken every "
+            "`nan_snapshot_steps`) or `checkpoint` (the newest verified checkpoint on disk: no host memory, a slower "
+            "restore).",
+            "choices": list(ROLLBACK_SOURCES),
+        },
     )
     nan_max_rollbacks: int = field(
         default=3,
@@ -127,6 +142,12 @@ def validate_safety_arguments(settings: Any) -> None:
     if unknown:
         raise ValueError(
             f"`safety_disable_rules` contains unknown rule ids {unknown}. Valid ids are: {', '.join(rule_ids())}."
+        )
+    if settings.nan_rollback_from not in ROLLBACK_SOURCES:
+        raise ValueError(
+            f"`nan_rollback_from` must be one of {list(ROLLBACK_SOURCES)}, got {settings.nan_rollback_from!r}. Use "
+            "`\"memory\"` (the default) to roll back to a host copy, or `\"checkpoint\"` to roll back to the newest "
+            "verified checkpoint when host memory cannot hold a copy of the weights and optimizer state."
         )
     checks = [
         ("nan_snapshot_steps", settings.nan_snapshot_steps >= 1, "an integer >= 1"),

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from .backends import refuse_unsupported_backend, training_backend
 from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
 from .collectives import ranks_with_flag
+from .disk_snapshot import CheckpointSnapshotter
 from .events import EventLog, NanEvent
-from .backends import refuse_unsupported_backend, training_backend
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
 from .policy import (
@@ -56,7 +57,7 @@ class NanGuard:
         self.rollbacks_this_run = 0
         self.spike: SpikeDetector | None = None
         self.replaying = False
-        self.snapshotter: Snapshotter | None = None
+        self.snapshotter: Snapshotter | CheckpointSnapshotter | None = None
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags = StepFlags()
@@ -87,7 +88,10 @@ class NanGuard:
     def begin(self) -> None:
         """Called at `on_train_begin`: bind to the optimizer and take the first snapshot."""
         backend = training_backend(self.trainer)
-        self.snapshotter = Snapshotter(self.trainer.model, backend.optimizer, backend.zero_stage)
+        if self.settings.nan_rollback_from == "checkpoint":
+            self.snapshotter = CheckpointSnapshotter(self.trainer, backend.optimizer, backend.zero_stage)
+        else:
+            self.snapshotter = Snapshotter(self.trainer.model, backend.optimizer, backend.zero_stage)
         self.flags = StepFlags(backend.loss_scaled)
         self.batches.clear()
         if not self.state_is_finite():

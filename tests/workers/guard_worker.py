@@ -47,6 +47,7 @@ def parse(argv=None):
     parser.add_argument("--max_rollbacks", type=int, default=3)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--save_steps", type=int, default=4)
+    parser.add_argument("--rollback_from", default="memory", help="`nan_rollback_from`")
     parser.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
         save_steps=ns.save_steps,
         gradient_accumulation_steps=ns.ga,
         nan_max_rollbacks=ns.max_rollbacks,
+        nan_rollback_from=ns.rollback_from,
         deepspeed=ns.deepspeed,
         trainer_kwargs=lora,
         **fsdp,
