@@ -38,6 +38,7 @@ EXPECTED_IDS = [
     "grpo.vocab_size",
     "grpo.vllm_is_truncation",
     "moe.router_aux_loss",
+    "memory.snapshot_fits",
 ]
 
 

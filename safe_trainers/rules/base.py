@@ -25,6 +25,10 @@ class BuiltTrainer:
         source_rows (`int | None`): the number of rows of the training dataset as passed, before TRL's preprocessing.
         processing_class (`PreTrainedTokenizerBase | ProcessorMixin | None`): the tokenizer or processor TRL uses.
         ref_model (`PreTrainedModel | None`): the reference model TRL built or was given (DPO, KTO, GRPO with `beta`).
+        snapshot_strategy (`str | None`): how the run spreads its state over ranks, as the NaN guard's snapshot sees
+            it (`"single"`, `"ddp"`, `"fsdp2"`, `"zero1"`..`"zero3"`).
+        snapshot_bytes_per_node (`int | None`): host bytes the guard's snapshots of one node's ranks would hold.
+        host_memory_available (`int | None`): host memory available when the trainer was built, in bytes.
     """
 
     kind: str
@@ -35,6 +39,9 @@ class BuiltTrainer:
     source_rows: int | None = None
     processing_class: Any = None
     ref_model: Any = None
+    snapshot_strategy: str | None = None
+    snapshot_bytes_per_node: int | None = None
+    host_memory_available: int | None = None
 
 
 class Rule:
