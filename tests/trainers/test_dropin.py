@@ -146,6 +146,8 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "nan_lr_backoff": 0.5,
         "nan_spike_factor": 0.0,
         "nan_spike_patience": 2,
+        "resume_on_restart": True,
+        "skip_step_after_crashes": 2,
     }
     assert safe_dict == plain.to_dict()
 
