@@ -56,6 +56,16 @@ class SafetyArguments:
         rollback. `0` disables spike detection; 6 is OLMo-core's choice.
     nan_spike_patience (`int`, *optional*, defaults to `2`):
         Consecutive spiking steps needed to confirm a loss spike.
+
+    > Parameters that control crashes and restarts
+
+    resume_on_restart (`bool`, *optional*, defaults to `True`):
+        When torchrun's elastic agent restarts the process (`torchrun --max-restarts N`, `accelerate launch
+        --max_restarts N`), `train()` resumes from the newest complete and finite checkpoint of `output_dir`, as
+        `resume_from_checkpoint=True` does, instead of starting over at step 0.
+    skip_step_after_crashes (`int`, *optional*, defaults to `2`):
+        With `nan_guard=True`: a step whose batches killed the process this many times in a row (SIGKILL, segfault,
+        device-side assert, ...) is not fed again; its batches are skipped and training goes on. `0` disables.
     """
 
     safety_mode: SafetyMode = field(
@@ -107,6 +117,20 @@ class SafetyArguments:
     nan_spike_patience: int = field(
         default=2, metadata={"help": "Consecutive spiking steps needed to confirm a loss spike."}
     )
+    resume_on_restart: bool = field(
+        default=True,
+        metadata={
+            "help": "When torchrun's elastic agent restarts the process, resume from the newest complete and finite "
+            "checkpoint of `output_dir` instead of starting over."
+        },
+    )
+    skip_step_after_crashes: int = field(
+        default=2,
+        metadata={
+            "help": "Skip the batches of a step that killed the process this many times in a row (0 disables; needs "
+            "`nan_guard`)."
+        },
+    )
 
     def __post_init__(self):
         validate_safety_arguments(self)
@@ -156,6 +180,7 @@ def validate_safety_arguments(settings: Any) -> None:
         ("nan_lr_backoff", math.isfinite(settings.nan_lr_backoff) and 0 < settings.nan_lr_backoff <= 1, "in (0, 1]"),
         ("nan_spike_factor", settings.nan_spike_factor == 0 or settings.nan_spike_factor > 1, "0 (off) or > 1"),
         ("nan_spike_patience", settings.nan_spike_patience >= 1, "an integer >= 1"),
+        ("skip_step_after_crashes", settings.skip_step_after_crashes >= 0, "an integer >= 0 (0 disables)"),
     ]
     for name, ok, expected in checks:
         if not ok:

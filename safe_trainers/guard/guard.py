@@ -120,13 +120,14 @@ class NanGuard:
         self.flags.observe_loss(loss)
         self.ledger.add_micro_batch(loss)
 
-    def end_of_step(self, grad_norm: Any) -> torch.Tensor:
-        """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag."""
+    def end_of_step(self, grad_norm: Any, dropped: bool = False) -> torch.Tensor:
+        """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag.
+        `dropped`: the step's batches were not trained (a poisoned step, see `step_progress.py`): a skipped step."""
         # DeepSpeed has already stepped (inside `backward`); it skips steps with non-finite gradients itself.
         deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
         skipped = deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)
         step = self.trainer.state.global_step + 1
-        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, optimizer_skipped=skipped)
+        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, skipped, dropped)
         self.batches.end_step(step)
         self.ledger.end_step(fault)
         return fault

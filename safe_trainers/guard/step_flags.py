@@ -60,9 +60,12 @@ class StepFlags:
         value = value.sum()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
-    def end_step(self, step: int, grad_norm: Any, device: Any, optimizer_skipped: bool = False) -> torch.Tensor:
+    def end_step(
+        self, step: int, grad_norm: Any, device: Any, optimizer_skipped: bool = False, dropped: bool = False
+    ) -> torch.Tensor:
         """Close step `step`: combine the loss flag with the gradient norm, agree across ranks (one all-reduce), keep
-        the record, and return the device fault flag. `optimizer_skipped`: DeepSpeed already skipped this step."""
+        the record, and return the device fault flag. `optimizer_skipped`: DeepSpeed already skipped this step.
+        `dropped`: every rank left this step's batches untrained (a poisoned step): a fault, whatever the scaler."""
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         norm = (
             grad_norm
@@ -80,6 +83,8 @@ class StepFlags:
         else:
             fault = loss_bad_any | norm_bad_any
             overflow = torch.zeros_like(fault)
+        if dropped:
+            fault, overflow = torch.ones_like(fault), torch.zeros_like(overflow)
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
         self.pending.append(PendingStep(step, fault, local, loss, norm, overflow))
         self.fault_now = fault

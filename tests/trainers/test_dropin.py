@@ -133,11 +133,14 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "safety_disable_rules": [],
         "nan_guard": True,
         "nan_snapshot_steps": 10,
+        "nan_rollback_from": "memory",
         "nan_max_rollbacks": 3,
         "nan_max_consecutive_skips": 3,
         "nan_lr_backoff": 0.5,
         "nan_spike_factor": 0.0,
         "nan_spike_patience": 2,
+        "resume_on_restart": True,
+        "skip_step_after_crashes": 2,
     }
     assert safe_dict == plain.to_dict()
 
