@@ -22,8 +22,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-import safe_trainers as st  # noqa: E402
-from safe_trainers.testing.quick import quick_args  # noqa: E402
+from safe_trainers.testing.build import build_trainer  # noqa: E402
 from safe_trainers.testing.toy import build_tokenizer, model_config  # noqa: E402
 
 
@@ -163,20 +162,23 @@ def time_snapshot(
 def make_trainer(
     kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int, optim: str
 ):
-    common = quick_args(
-        output_dir=out,
+    # The `"quick"` preset (lr 1e-5), scaled up; the stock run has no guard, so no `nan_snapshot_steps`.
+    own = dict(trainer_cls=trl.DPOTrainer, config_cls=trl.DPOConfig) if kind == "stock" else {}
+    if kind == "safe":
+        own["nan_snapshot_steps"] = snapshot_steps
+    return build_trainer(
+        "dpo",
+        model_dir,
+        out,
+        dataset=data,
         max_steps=steps,
         per_device_train_batch_size=batch,
-        learning_rate=1e-5,
         logging_steps=10,
         bf16=torch.cuda.is_available(),
         precompute_ref_log_probs=False,
         optim=optim,
+        **own,
     )
-    if kind == "stock":
-        return trl.DPOTrainer(model_dir, args=trl.DPOConfig(**common), train_dataset=data)
-    config = st.DPOConfig(nan_snapshot_steps=snapshot_steps, **common)
-    return st.DPOTrainer(model_dir, args=config, train_dataset=data)
 
 
 def quiet() -> None:

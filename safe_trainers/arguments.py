@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 SafetyMode = Literal["fix", "warn", "strict", "off"]
 SAFETY_MODES: tuple[str, ...] = ("fix", "warn", "strict", "off")
+ROLLBACK_SOURCES: tuple[str, ...] = ("memory", "checkpoint")
 
 
 @dataclass
@@ -37,6 +38,11 @@ class SafetyArguments:
         back to the last good state when the weights or optimizer state are damaged.
     nan_snapshot_steps (`int`, *optional*, defaults to `10`):
         Keep a copy of the last good training state (in host memory) every this many optimizer steps.
+    nan_rollback_from (`str`, *optional*, defaults to `"memory"`):
+        Where a rollback takes the last good state from: `"memory"` (the host copy above) or `"checkpoint"` (the
+        newest verified checkpoint on disk: no host copy, a slower restore, and the steps since that checkpoint are
+        discarded). The `memory.snapshot_fits` rule switches to `"checkpoint"` when the copy would not fit in the
+        host memory available.
     nan_max_rollbacks (`int`, *optional*, defaults to `3`):
         After this many rollbacks, save the last good state as a checkpoint and raise [`TrainingDivergedError`].
     nan_max_consecutive_skips (`int`, *optional*, defaults to `3`):
@@ -50,6 +56,16 @@ class SafetyArguments:
         rollback. `0` disables spike detection; 6 is OLMo-core's choice.
     nan_spike_patience (`int`, *optional*, defaults to `2`):
         Consecutive spiking steps needed to confirm a loss spike.
+
+    > Parameters that control crashes and restarts
+
+    resume_on_restart (`bool`, *optional*, defaults to `True`):
+        When torchrun's elastic agent restarts the process (`torchrun --max-restarts N`, `accelerate launch
+        --max_restarts N`), `train()` resumes from the newest complete and finite checkpoint of `output_dir`, as
+        `resume_from_checkpoint=True` does, instead of starting over at step 0.
+    skip_step_after_crashes (`int`, *optional*, defaults to `2`):
+        With `nan_guard=True`: a step whose batches killed the process this many times in a row (SIGKILL, segfault,
+        device-side assert, ...) is not fed again; its batches are skipped and training goes on. `0` disables.
     """
 
     safety_mode: SafetyMode = field(
@@ -72,6 +88,15 @@ class SafetyArguments:
         default=10,
         metadata={"help": "Keep the last good training state in host memory every this many optimizer steps."},
     )
+    nan_rollback_from: str = field(
+        default="memory",
+        metadata={
+            "help": "Where a rollback takes the last good state from: `memory` (a host copy taken every "
+            "`nan_snapshot_steps`) or `checkpoint` (the newest verified checkpoint on disk: no host memory, a slower "
+            "restore).",
+            "choices": list(ROLLBACK_SOURCES),
+        },
+    )
     nan_max_rollbacks: int = field(
         default=3,
         metadata={"help": "Rollbacks allowed before saving the last good state and stopping with an error."},
@@ -91,6 +116,20 @@ class SafetyArguments:
     )
     nan_spike_patience: int = field(
         default=2, metadata={"help": "Consecutive spiking steps needed to confirm a loss spike."}
+    )
+    resume_on_restart: bool = field(
+        default=True,
+        metadata={
+            "help": "When torchrun's elastic agent restarts the process, resume from the newest complete and finite "
+            "checkpoint of `output_dir` instead of starting over."
+        },
+    )
+    skip_step_after_crashes: int = field(
+        default=2,
+        metadata={
+            "help": "Skip the batches of a step that killed the process this many times in a row (0 disables; needs "
+            "`nan_guard`)."
+        },
     )
 
     def __post_init__(self):
@@ -128,6 +167,12 @@ def validate_safety_arguments(settings: Any) -> None:
         raise ValueError(
             f"`safety_disable_rules` contains unknown rule ids {unknown}. Valid ids are: {', '.join(rule_ids())}."
         )
+    if settings.nan_rollback_from not in ROLLBACK_SOURCES:
+        raise ValueError(
+            f"`nan_rollback_from` must be one of {list(ROLLBACK_SOURCES)}, got {settings.nan_rollback_from!r}. Use "
+            "`\"memory\"` (the default) to roll back to a host copy, or `\"checkpoint\"` to roll back to the newest "
+            "verified checkpoint when host memory cannot hold a copy of the weights and optimizer state."
+        )
     checks = [
         ("nan_snapshot_steps", settings.nan_snapshot_steps >= 1, "an integer >= 1"),
         ("nan_max_rollbacks", settings.nan_max_rollbacks >= 0, "an integer >= 0"),
@@ -135,6 +180,7 @@ def validate_safety_arguments(settings: Any) -> None:
         ("nan_lr_backoff", math.isfinite(settings.nan_lr_backoff) and 0 < settings.nan_lr_backoff <= 1, "in (0, 1]"),
         ("nan_spike_factor", settings.nan_spike_factor == 0 or settings.nan_spike_factor > 1, "0 (off) or > 1"),
         ("nan_spike_patience", settings.nan_spike_patience >= 1, "an integer >= 1"),
+        ("skip_step_after_crashes", settings.skip_step_after_crashes >= 0, "an integer >= 0 (0 disables)"),
     ]
     for name, ok, expected in checks:
         if not ok:

@@ -14,18 +14,22 @@ from .arguments import SafetyArguments, validate_safety_arguments
 from .errors import SafetyError
 from .kinds import get_kind
 from .rules.report import Finding
-from .rules.grpo import GroupSize, group_size_problems
+from .rules.grpo import CHECKED_GROUP, GroupSize, group_checked, group_size_problems, group_values
 
 
 class GroupChecks:
     """Runs the `grpo.group_size` rule in the config of a trainer that samples groups of completions (GRPO, RLOO),
-    before TRL's own checks, so an invalid group gets one error that names every bad setting and its fix."""
+    before TRL's own checks, so an invalid group gets one error that names every bad setting and its fix.
+
+    It runs once per config: the config records the group values it checked (`rules.grpo.CHECKED_GROUP`), so neither
+    the rule at construction nor a copy a rule makes of the config checks them again, unless one of them changed.
+    """
 
     def __post_init__(self):
         validate_safety_arguments(self)
-        if self.safety_mode == "off" or GroupSize.id in self.safety_disable_rules:
+        if self.safety_mode == "off" or GroupSize.id in self.safety_disable_rules or group_checked(self):
             return super().__post_init__()
-        problems = group_size_problems(self.num_generations, self.generation_batch_size, self.temperature)
+        problems = group_size_problems(*group_values(self))
         if problems:
             raise SafetyError([Finding(GroupSize.id, "blocked", " ".join(problems))])
         try:
@@ -33,10 +37,13 @@ class GroupChecks:
         except ValueError as error:
             # TRL derives the generation batch from the world size while validating; if that is what it rejected,
             # answer with the rule's message (every bad setting and its fix), keeping TRL's error as the cause.
-            problems = group_size_problems(self.num_generations, self.generation_batch_size, self.temperature)
+            problems = group_size_problems(*group_values(self))
             if problems:
                 raise SafetyError([Finding(GroupSize.id, "blocked", " ".join(problems))]) from error
             raise
+        # TRL's `__post_init__` accepted the generation batch it derived (it refuses one that does not hold whole
+        # groups), so the values as they are now form a valid group.
+        setattr(self, CHECKED_GROUP, group_values(self))
 
 
 @dataclass

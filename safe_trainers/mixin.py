@@ -12,6 +12,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 from .arguments import SafetyArguments
 from .configs import config_class
 from .guard import NanGuard, NanGuardCallback
+from .guard.step_progress import StepProgressCallback
 from .guard.trainer_hooks import NanGuardTrainerMixin
 from .kinds import get_kind
 from .rules.report import SafetyReport
@@ -89,6 +90,8 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             callbacks = self.callback_handler.callbacks
             flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
             callbacks.insert(flow + 1, NanGuardCallback(self.nan_guard))
+            self.step_progress = StepProgressCallback(self.nan_guard)
+            self.add_callback(self.step_progress)
 
     def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
         model = arguments.get("model")

@@ -1,4 +1,5 @@
-"""Helpers for the NaN guard tests: build a trainer with faults, and check checkpoints on disk."""
+"""Helpers for the NaN guard tests: checkpoints on disk, bad rewards, and a trainer that records its batches. Trainers
+are built with `safe_trainers.testing.build.build_trainer(..., preset="guarded")`."""
 
 from __future__ import annotations
 
@@ -7,60 +8,6 @@ import os
 
 import torch
 from safetensors.torch import load_file
-
-from safe_trainers.configs import config_class
-from safe_trainers.testing.faults import Fault, FaultInjector
-from safe_trainers.kinds import KINDS, get_kind
-from safe_trainers.testing.toy import count_words_reward, dataset_for
-from safe_trainers.trainers import trainer_class
-
-
-CONFIGS = {kind: config_class(kind) for kind in KINDS}
-TRAINERS = {kind: trainer_class(kind) for kind in KINDS}
-
-
-def guarded_trainer(
-    kind: str,
-    model_dir: str,
-    output_dir: str,
-    faults: list[Fault] = (),
-    reward_funcs=None,
-    trainer_cls=None,
-    peft_config=None,
-    eval_rows: int = 0,
-    **overrides,
-):
-    """A safe trainer of `kind` on a toy model, saving every 4 steps, with a `FaultInjector` attached."""
-    args = dict(
-        output_dir=output_dir,
-        max_steps=10,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=4,
-        report_to="none",
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        nan_snapshot_steps=2,
-        seed=0,
-    )
-    if get_kind(kind).online:
-        args.update(num_generations=2, max_completion_length=6)
-    args.update(overrides)
-    config = CONFIGS[kind](**args)
-    data = dataset_for(kind, 2 * config.max_steps * 4)
-    extra = {"reward_funcs": reward_funcs or count_words_reward} if get_kind(kind).online else {}
-    if peft_config is not None:
-        extra["peft_config"] = peft_config
-    if eval_rows:
-        extra["eval_dataset"] = dataset_for(kind, eval_rows, seed=1)
-    trainer = (trainer_cls or TRAINERS[kind])(model_dir, args=config, train_dataset=data, **extra)
-    injector = FaultInjector(list(faults))
-    trainer.add_callback(injector)
-    trainer.fault_injector = injector
-    return trainer
 
 
 def nonfinite_in_checkpoints(output_dir: str) -> list[str]:
@@ -74,7 +21,36 @@ def nonfinite_in_checkpoints(output_dir: str) -> list[str]:
         tensors = [v for s in state["state"].values() for v in s.values() if torch.is_tensor(v)]
         if any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
             bad.append(path)
+    for path in glob.glob(os.path.join(output_dir, "**", "*.distcp"), recursive=True):
+        directory = os.path.dirname(path)
+        if directory not in bad and not all_finite_dcp(directory):
+            bad.append(directory)
     return bad
+
+
+def all_finite_dcp(directory: str) -> bool:
+    """Whether a torch distributed checkpoint (FSDP's `SHARDED_STATE_DICT`: `pytorch_model_fsdp_0/`,
+    `optimizer_0/`) holds only finite tensors, gathered whole on the host with torch's format utilities."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "gathered.pt")
+        dcp_to_torch_save(directory, path)
+        state = torch.load(path, weights_only=False)
+    tensors = []
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        if torch.is_tensor(node):
+            tensors.append(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    assert tensors, f"no tensor in {directory}"
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 def checkpoint_steps(output_dir: str) -> list[int]:

@@ -1,6 +1,9 @@
-"""Helpers shared by the pure rule tests: real safe configs, `TrainerSetup`s built in memory, and one engine stage."""
+"""Helpers shared by the pure rule tests: real safe configs, `TrainerSetup`s built in memory, one engine stage, the
+built-in rule ids in order, and a tiny KTO dataset."""
 
 from __future__ import annotations
+
+from datasets import Dataset
 
 from safe_trainers import SafetyArguments
 from safe_trainers.configs import config_class
@@ -14,6 +17,29 @@ OUT = "safe-trainers-unused-output"  # configs are built, never trained: nothing
 CPU = Hardware(accelerator="cpu", bf16_supported=True)
 CUDA_BF16 = Hardware(accelerator="cuda", bf16_supported=True)
 CUDA_NO_BF16 = Hardware(accelerator="cuda", bf16_supported=False)
+
+# The built-in rules, in the order they run (`rule_ids()`).
+EXPECTED_IDS = [
+    "peft.reward_seq_cls_lora",
+    "precision.bf16_over_fp16",
+    "attention.gemma2_no_flash",
+    "optim.grad_clip",
+    "logging.show_nonfinite",
+    "grpo.group_size",
+    "kto.batch_and_labels",
+    "dpo.beta_positive",
+    "data.no_loss_tokens",
+    "precision.fp32_trainable_params",
+    "precision.bf16_supported",
+    "env.cublas_sigfpe",
+    "optim.learning_rate",
+    "tokens.reward_pad_token",
+    "tokens.untrained_embeddings",
+    "grpo.vocab_size",
+    "grpo.vllm_is_truncation",
+    "moe.router_aux_loss",
+    "memory.snapshot_fits",
+]
 
 
 def make_args(kind: str = "dpo", **overrides):
@@ -50,3 +76,7 @@ def run_setup_stage(setup, mode="fix", disable=(), rules=None):
 
 def change_map(finding):
     return {c.path: (c.old, c.new) for c in finding.changes}
+
+
+def kto_data(labels):
+    return Dataset.from_dict({"prompt": ["p"] * len(labels), "completion": ["c"] * len(labels), "label": labels})

@@ -1,4 +1,5 @@
-"""Helpers shared by the training tests: build a safe trainer on a tiny saved model, train it, read its report."""
+"""Helpers shared by the training tests: the safe classes by kind, and what a trained trainer left (weights, losses,
+findings, report). Trainers are built with `safe_trainers.testing.build.build_trainer`."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ import os
 
 import torch
 
-from safe_trainers.testing.quick import quick_args
 from safe_trainers.configs import config_class
 from safe_trainers.kinds import KINDS
-from safe_trainers.testing.toy import dataset_for
 from safe_trainers.trainers import trainer_class
 
 
@@ -18,32 +17,6 @@ CONFIGS = {kind: config_class(kind) for kind in KINDS}
 TRAINERS = {kind: trainer_class(kind) for kind in KINDS}
 
 DEFAULT_MODEL = {k.id: "qwen2-rm" if k.model_task == "seq_cls" else "qwen2" for k in KINDS.values()}
-
-
-def rank_reward(completions, **kwargs) -> list[float]:
-    """A GRPO reward that always differs inside a group, so every step has non-zero advantages."""
-    return [float(i % 4) for i in range(len(completions))]
-
-
-def config_kwargs(kind: str, tmp_path, **overrides) -> dict:
-    # `learning_rate=1e-5`: the highest full fine-tuning rate `optim.learning_rate` accepts without a warning
-    kwargs = quick_args(output_dir=str(tmp_path / f"{kind}-out"), learning_rate=1e-5)
-    if KINDS[kind].online:
-        kwargs.update(num_generations=2, max_completion_length=8)
-    kwargs.update(overrides)
-    return kwargs
-
-
-def build(kind: str, model, tmp_path, *, dataset=None, n=8, config_class=None, **overrides):
-    """A safe trainer of `kind`; `overrides` go to the config, except trainer keywords given as `trainer_*`."""
-    trainer_kwargs = {
-        k.removeprefix("trainer_"): overrides.pop(k) for k in list(overrides) if k.startswith("trainer_")
-    }
-    args = (config_class or CONFIGS[kind])(**config_kwargs(kind, tmp_path, **overrides))
-    if KINDS[kind].online:
-        trainer_kwargs.setdefault("reward_funcs", rank_reward)
-    data = dataset if dataset is not None else dataset_for(kind, n)
-    return TRAINERS[kind](model=model, args=args, train_dataset=data, **trainer_kwargs)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:

@@ -16,8 +16,7 @@ from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from ..guard import read_events
 from ..guard.checkpoint import checkpoints
-from ..testing.faults import Fault, FaultInjector
-from ..testing.quick import quick_args
+from ..testing.faults import Fault
 
 
 class StepPrinter(TrainerCallback):
@@ -40,7 +39,7 @@ def run_demo(output_dir: str | None = None, steps: int = 12, compare: bool = Tru
     """Run the demo; return 0 when the guarded run ends with finite weights and clean checkpoints."""
     from transformers.utils import logging as hf_logging
 
-    from .. import DPOConfig, DPOTrainer
+    from ..testing.build import build_trainer
     from ..testing.toy import dataset_for, save_toy_model
 
     import datasets
@@ -59,21 +58,23 @@ def run_demo(output_dir: str | None = None, steps: int = 12, compare: bool = Tru
         "DPOConfig(fp16=True, max_grad_norm=0.0, model_init_kwargs={'dtype': 'float16', "
         "'attn_implementation': 'sdpa'})  # + `from safe_trainers import DPOTrainer`"
     )
-    args = DPOConfig(
-        output_dir=os.path.join(output_dir, "safe"),
+    trainer = build_trainer(
+        "dpo",
+        model_dir,
+        os.path.join(output_dir, "safe"),
+        faults=faults,
         fp16=True,
         max_grad_norm=0.0,
         model_init_kwargs={"dtype": "float16", "attn_implementation": "sdpa"},
         nan_snapshot_steps=4,
-        **_common(steps),
+        **_common(steps, data),
     )
-    trainer = DPOTrainer(model_dir, args=args, train_dataset=data)
+    args = trainer.args
     print(f"-> training with bf16={trainer.args.bf16}, attention={trainer.model.config._attn_implementation!r}, "
           f"max_grad_norm={trainer.args.max_grad_norm}; report in {args.output_dir}/safety_report.json")
 
     _banner(f"2. Training with injected faults: NaN loss at step 6, NaN weight at step 9 ({steps} steps)")
     _quiet(trainer, "[safe_trainers]")
-    trainer.add_callback(FaultInjector(faults))
     trainer.train()
     finite = all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
     print("\nNaN guard events (nan_events.jsonl):")
@@ -95,14 +96,18 @@ def run_demo(output_dir: str | None = None, steps: int = 12, compare: bool = Tru
         import trl
 
         _banner("3. Stock TRL, same (already fixed) settings, same NaN loss at step 6")
-        stock_args = trl.DPOConfig(
-            output_dir=os.path.join(output_dir, "stock"),
+        stock = build_trainer(
+            "dpo",
+            model_dir,
+            os.path.join(output_dir, "stock"),
+            faults=faults[:1],
+            trainer_cls=trl.DPOTrainer,
+            config_cls=trl.DPOConfig,
             model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "eager"},
-            **_common(steps),
+            **_common(steps, data),
         )
-        stock = trl.DPOTrainer(model_dir, args=stock_args, train_dataset=data)
+        stock_args = stock.args
         _quiet(stock, "[stock TRL]    ")
-        stock.add_callback(FaultInjector(faults[:1]))
         stock.train()
         stock_finite = all(bool(torch.isfinite(p).all()) for p in stock.model.parameters())
         print(f"stock TRL final weights finite: {stock_finite}; its checkpoints: "
@@ -113,8 +118,10 @@ def run_demo(output_dir: str | None = None, steps: int = 12, compare: bool = Tru
     return 0 if finite else 1
 
 
-def _common(steps: int) -> dict[str, Any]:
-    return quick_args(max_steps=steps, save_strategy="steps", save_steps=4)
+def _common(steps: int, data: Any) -> dict[str, Any]:
+    # The NaN guard tests' preset (a checkpoint every 4 steps, faults injected), on a GPU when there is one: the tests
+    # pin the CPU, the demo shows the machine it runs on.
+    return dict(preset="guarded", dataset=data, max_steps=steps, use_cpu=not torch.cuda.is_available())
 
 
 def _quiet(trainer: Any, prefix: str) -> None:

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .sharding import local
+
 STAGING_DIR = ".safe_trainers_staging"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -16,10 +18,12 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """A 0-d bool tensor on the tensors' device: whether every floating tensor is finite (no host sync).
 
-    Uses one fused norm per device: the norm of a tensor with a NaN or Inf is non-finite.
+    Uses one fused norm per device: the norm of a tensor with a NaN or Inf is non-finite. Sharded tensors (FSDP2's
+    `DTensor`) are checked on this rank's shard, with no collective.
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
+        t = local(t) if t is not None else None
         if t is not None and t.is_floating_point() and t.numel() > 0:
             by_device.setdefault(t.device, []).append(t.detach())
     flags = []

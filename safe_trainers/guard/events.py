@@ -9,7 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-EventKind = Literal["skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore"]
+EventKind = Literal[
+    "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison"
+]
 EVENTS_FILE = "nan_events.jsonl"
 
 
@@ -23,7 +25,10 @@ class NanEvent:
             lowered its scale: not a fault), `"rollback"` (the last good state was restored),
             `"abort"` (training stopped with [`TrainingDivergedError`]), `"reward"` (GRPO rewards were non-finite),
             `"save_refused"` (a checkpoint was not written because the state was non-finite), `"restore"` (after
-            training ended, the last good state was put back over a state damaged after the last check).
+            training ended, the last good state was put back over a state damaged after the last check), `"resume"`
+            (the run resumed, or was restarted by the elastic agent: from which checkpoint, which newer ones were
+            passed over and why, which earlier processes died where), `"poison"` (a step's batches killed the
+            process several times in a row and are skipped: which micro-batches, which attempts died).
         nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
             `"rewards"`, `"advantages"`.
         ranks (`list[int]`): the ranks where the loss was non-finite (all ranks see a non-finite gradient norm).

@@ -18,15 +18,19 @@ from typing import Any
 
 import torch
 
+from .backends import refuse_unsupported_backend, training_backend
 from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
 from .collectives import ranks_with_flag
+from .disk_snapshot import CheckpointSnapshotter
 from .events import EventLog, NanEvent
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
 from .policy import (
     SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows,
 )  # fmt: skip
-from .recovery import abort, record_overflows, record_skips, refuse_save, restore_at_end, roll_back
+from .recovery import (
+    Restored, abort, record_overflows, record_rollback, record_skips, restore_at_end, restore_last_good,
+)  # fmt: skip
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 from .step_flags import StepFlags, loss_scale
@@ -43,6 +47,7 @@ class NanGuard:
     """
 
     def __init__(self, trainer: Any, settings: Any):
+        refuse_unsupported_backend(trainer)
         self.trainer = trainer
         self.settings = settings
         self.events = EventLog(trainer.args.output_dir, write=trainer.is_world_process_zero())
@@ -52,7 +57,7 @@ class NanGuard:
         self.rollbacks_this_run = 0
         self.spike: SpikeDetector | None = None
         self.replaying = False
-        self.snapshotter: Snapshotter | None = None
+        self.snapshotter: Snapshotter | CheckpointSnapshotter | None = None
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags = StepFlags()
@@ -82,22 +87,12 @@ class NanGuard:
 
     def begin(self) -> None:
         """Called at `on_train_begin`: bind to the optimizer and take the first snapshot."""
-        trainer = self.trainer
-        stage = None
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        if trainer.is_deepspeed_enabled:
-            stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
-            optimizer = trainer.model_wrapped.optimizer
-            if stage == 0:
-                raise ValueError(
-                    "`nan_guard=True` supports DeepSpeed ZeRO stages 1, 2 and 3, got stage 0. Use ZeRO, or plain DDP, "
-                    "or set `nan_guard=False`."
-                )
-            loss_scaled = bool(trainer.model_wrapped.fp16_enabled())
+        backend = training_backend(self.trainer)
+        if self.settings.nan_rollback_from == "checkpoint":
+            self.snapshotter = CheckpointSnapshotter(self.trainer, backend.optimizer, backend.zero_stage)
         else:
-            loss_scaled = trainer.accelerator.scaler is not None
-        self.snapshotter = Snapshotter(trainer.model, optimizer, stage)
-        self.flags = StepFlags(loss_scaled)
+            self.snapshotter = Snapshotter(self.trainer.model, backend.optimizer, backend.zero_stage)
+        self.flags = StepFlags(backend.loss_scaled)
         self.batches.clear()
         if not self.state_is_finite():
             raise ValueError(
@@ -115,15 +110,6 @@ class NanGuard:
             scale_learning_rate(optimizer, scheduler, configured / saved)
         self.state.learning_rate = configured
 
-    def save_state(self, checkpoint_dir: str) -> None:
-        self.state.save(checkpoint_dir)
-
-    def log_counters(self) -> dict[str, int]:
-        return self.state.counters()
-
-    def refuse_save(self, step: int) -> None:
-        refuse_save(self, step)
-
     # ------------------------------------------------------------------ hot path (no host sync)
     def record_inputs(self, inputs: Any) -> None:
         """Keep a host copy of one micro-batch's prepared inputs, for diagnosis."""
@@ -134,30 +120,22 @@ class NanGuard:
         self.flags.observe_loss(loss)
         self.ledger.add_micro_batch(loss)
 
-    def end_of_step(self, grad_norm: Any) -> torch.Tensor:
-        """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag."""
+    def end_of_step(self, grad_norm: Any, dropped: bool = False) -> torch.Tensor:
+        """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag.
+        `dropped`: the step's batches were not trained (a poisoned step, see `step_progress.py`): a skipped step."""
         # DeepSpeed has already stepped (inside `backward`); it skips steps with non-finite gradients itself.
         deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
         skipped = deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)
         step = self.trainer.state.global_step + 1
-        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, optimizer_skipped=skipped)
+        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, skipped, dropped)
         self.batches.end_step(step)
         self.ledger.end_step(fault)
         return fault
 
     def apply_skip(self, optimizer: Any) -> None:
         """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
-        fault = self.flags.fault_now
-        if fault is None or (self.snapshotter and self.snapshotter.deepspeed_stage is not None):
-            return
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if getattr(inner, "_step_supports_amp_scaling", False) and not self.flags.loss_scaled:
-            # Fused optimizers skip on the device when `found_inf` is set, and undo their step counter.
-            inner.found_inf = fault.to(torch.float32)
-        elif bool(fault):  # one host read: this optimizer cannot skip on the device
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    param.grad = None
+        if self.snapshotter is None or self.snapshotter.deepspeed_stage is None:  # DeepSpeed skips them itself
+            self.flags.skip_update(optimizer)
 
     # ------------------------------------------------------------------ inspection
     def at_boundary(self, control: Any) -> Verdict | None:
@@ -173,12 +151,9 @@ class NanGuard:
         snapshot_due = step % self.settings.nan_snapshot_steps == 0
         publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
         publishing = publishing or syncs_reference_model(trainer.args, step)
-        verdict = None
         if control.should_log or publishing or snapshot_due or len(self.flags.pending) >= self.settings.nan_snapshot_steps:
-            verdict = self.inspect(control, verify=publishing or snapshot_due, snapshot=publishing or snapshot_due)
-        if control.should_log and step > trainer._globalstep_last_logged:  # the Trainer logs this step
-            trainer._guard_window_loss = self.ledger.close_window()
-        return verdict
+            return self.inspect(control, verify=publishing or snapshot_due, snapshot=publishing or snapshot_due)
+        return None
 
     def before_publishing(self, control: Any) -> None:
         """Right before the Trainer evaluates or saves: verify the state afresh (a callback that runs after the
@@ -194,7 +169,8 @@ class NanGuard:
             return
         self.verified_step = -1
         if not self.state_is_finite():
-            restore_at_end(self)
+            restored = restore_at_end(self.trainer, self.snapshotter, self.events, self.damaged_ranks)
+            self.verified_step = restored.at_step
 
     def before_generation(self) -> None:
         """GRPO/RLOO, before sampling a generation batch: judge the pending steps and verify the state now (not from
@@ -216,13 +192,14 @@ class NanGuard:
             records, self._consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite
         )
         self._consecutive = verdict.consecutive
-        record_overflows(self, verdict.overflows)
+        self.state.overflow_steps += record_overflows(self.events, verdict.overflows)
         diagnosis = None
         if (
             verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
         ) and not self.state.localized:
             diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
-        record_skips(self, verdict.skipped, diagnosis)
+        self.state.skipped_steps += record_skips(self.events, verdict.skipped, diagnosis)
+        self.ledger.record_skips(len(verdict.skipped))
         self.batches.clear()
         if verdict.rollback is not None:
             if can_roll_back(self.rollbacks_this_run, self.settings.nan_max_rollbacks):
@@ -268,17 +245,39 @@ class NanGuard:
             self._refresh_best = False
 
     def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
-        roll_back(self, verdict, records, diagnosis)
+        """Restore the last good state and go on (see `recovery.py`); record a `rollback` event."""
+        restored = self._restore_last_good()
+        self.state.rollbacks += 1
+        self.rollbacks_this_run += 1
+        record_rollback(self.events, verdict, records, diagnosis, restored, self.state.rollbacks, self.damaged_ranks)
 
     def abort(self, verdict: Verdict) -> None:
-        abort(self, verdict)
+        """Restore the last good state, save it as a checkpoint, record an `abort` event and raise."""
+        restored = self._restore_last_good()  # verified and counted before the checkpoint saves it
+        abort(self.trainer, self.events, verdict, restored, self.state, self.rollbacks_this_run, self.settings)
+
+    def _restore_last_good(self) -> Restored:
+        self._refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
+        restored = restore_last_good(self.trainer, self.snapshotter, self.settings.nan_lr_backoff)
+        self._after_restore(restored)
+        return restored
+
+    def _after_restore(self, restored: Restored) -> None:
+        """Count the backoff and discarded steps, trust the restored state (verified when taken), drop the window."""
+        self.state.lr_scale *= restored.lr_factor
+        self.state.discarded_steps += len(restored.discarded_steps)
+        self.verified_step = restored.at_step
+        self._consecutive = 0
+        self.flags.clear()
+        self.batches.clear()
+        if self.spike is not None:
+            self.spike.reset()
 
     def record_rewards(self, nonfinite: int, total: int, whole_groups: int) -> None:
         """GRPO/RLOO: some rewards came back NaN/None/Inf (called with gathered counts, identical on every rank)."""
         detail = {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups}
         self.events.add(NanEvent(self.trainer.state.global_step + 1, "reward", ["rewards"], [], detail))
 
-    # ------------------------------------------------------------------ helpers
     def _localize(self, step: int | None) -> dict[str, Any] | None:
         batches = self.batches.get(step)
         if not batches:  # every rank holds the batches of the same steps, so all ranks return here together
@@ -292,3 +291,4 @@ class NanGuard:
 
 
 __all__ = ["NanGuard"]
+

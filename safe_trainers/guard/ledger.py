@@ -3,8 +3,9 @@
 The Trainer averages every step's loss between two logs, and `train_loss` over the whole run. A step the guard skipped
 has no applied update and usually a NaN loss, which would turn both averages into NaN (or, with
 `logging_nan_inf_filter`, into an invented value). The ledger keeps, on the device and without host synchronisation,
-the sum and count of the applied steps' losses; where a window held a skipped step, the guard logs the ledger's mean
-instead of the Trainer's. Windows without a skipped step keep the Trainer's own value, bit for bit.
+the sum and count of the applied steps' losses; where a window held a skipped step, the Trainer's `log` (see
+`trainer_hooks.py`) reports the ledger's mean instead of its own. Windows without a skipped step keep the Trainer's own
+value, bit for bit.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class LossLedger:
         self.run_skips += count
 
     def close_window(self) -> float | None:
-        """At a logging step: the mean loss over the window's applied steps, averaged over ranks, if the window had a
-        skipped step and at least one applied step; otherwise `None` (the Trainer's own value stands). All ranks call
-        this together."""
+        """When the Trainer logs the window's training loss: the mean loss over its applied steps, averaged over ranks,
+        if the window had a skipped step and at least one applied step; otherwise `None` (the Trainer's own value
+        stands). The next window starts. All ranks call this together (the Trainer logs on every rank)."""
         value = None
         if self.window_skips and torch.is_tensor(self._window_count):
             pair = mean_across_ranks(torch.stack([self._window_sum, self._window_count]).float())

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import distributed
+from .sharding import reshard
 
 
 def _tensors(value: Any):
@@ -146,6 +147,7 @@ def diagnose(trainer: Any, batches: list[Any], step: int | None) -> dict[str, An
     finally:
         for name, value in saved.items():
             setattr(trainer, name, value)
+        reshard(trainer.model)  # FSDP2: a forward without backward leaves the root's parameters gathered
     result["rank"] = trainer.args.process_index
     if distributed():
         results: list[Any] = [None] * dist.get_world_size()

@@ -5,8 +5,9 @@ trainer's best-model bookkeeping. It deliberately leaves out what belongs to the
 weights: `global_step`, the data position, the LR schedule position, the loss scaler's calibration, the RNG streams and
 the token/FLOP counters keep going (see `recovery.py`). Tensors go to host memory (pinned when a GPU is used, with
 non-blocking copies that queue behind the training step on the same stream, so taking a snapshot does not stall the
-step). Buffers are
-allocated once and reused; frozen weights are copied once. Under DeepSpeed ZeRO each rank keeps its own shard.
+step). Buffers are allocated once and reused; frozen weights are copied once. Under DeepSpeed ZeRO and FSDP2 each rank
+keeps its own shard (for FSDP2, the local shards of its `DTensor` parameters and moments: placements never change, so
+taking and restoring a snapshot needs no collective).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .sharding import like, local, reshard
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Snapshotter:
     def take(self, state: Any) -> Snapshot:
         """Copy the current state into the host buffers (asynchronously on GPU) and return the snapshot."""
         snap = self.snapshot
+        reshard(self.model)
         if self.deepspeed_stage is not None:
             snap.deepspeed_state = _clone_to_host(
                 _deepspeed_state(self.optimizer, self.deepspeed_stage), snap.deepspeed_state
@@ -70,7 +74,7 @@ class Snapshotter:
         else:
             for name, param in self.model.named_parameters():
                 if param.requires_grad or not self._frozen_done:
-                    snap.params[name] = _copy_into(snap.params.get(name), param.detach())
+                    snap.params[name] = _copy_into(snap.params.get(name), local(param.detach()))
             self._frozen_done = True
             opt = self.optimizer
             index = {id(p): i for i, p in enumerate(_all_params(opt))}
@@ -80,7 +84,9 @@ class Snapshotter:
                 seen.add(i)
                 slot = snap.optimizer_state.setdefault(i, {})
                 for key, value in pstate.items():
-                    slot[key] = _copy_into(slot.get(key), value) if torch.is_tensor(value) else copy.deepcopy(value)
+                    slot[key] = (
+                        _copy_into(slot.get(key), local(value)) if torch.is_tensor(value) else copy.deepcopy(value)
+                    )
             for i in list(snap.optimizer_state):
                 if i not in seen:
                     del snap.optimizer_state[i]
@@ -106,6 +112,7 @@ class Snapshotter:
         if not snap.taken:
             raise RuntimeError("No good state to restore: the NaN guard has not taken a snapshot yet.")
         snap.wait()
+        reshard(self.model)
         live_groups = [{k: v for k, v in g.items() if k != "params"} for g in _groups(self.optimizer)]
         with torch.no_grad():
             if self.deepspeed_stage is not None:
@@ -113,7 +120,7 @@ class Snapshotter:
             else:
                 for name, param in self.model.named_parameters():
                     if name in snap.params:
-                        param.copy_(snap.params[name], non_blocking=True)
+                        local(param).copy_(snap.params[name], non_blocking=True)
                 params = _all_params(self.optimizer)
                 for i, param in enumerate(params):
                     saved = snap.optimizer_state.get(i)
@@ -122,15 +129,11 @@ class Snapshotter:
                         continue
                     live = self.optimizer.state.setdefault(param, {})
                     for key, value in saved.items():
-                        if (
-                            torch.is_tensor(value)
-                            and torch.is_tensor(live.get(key))
-                            and live[key].shape == value.shape
-                        ):
-                            live[key].copy_(value, non_blocking=True)
+                        current = live.get(key)
+                        if torch.is_tensor(value) and torch.is_tensor(current) and local(current).shape == value.shape:
+                            local(current).copy_(value, non_blocking=True)
                         elif torch.is_tensor(value):
-                            device = param.device if value.dim() > 0 else value.device
-                            live[key] = value.to(device, copy=True)
+                            live[key] = like(param, value) if value.dim() > 0 else value.clone()
                         else:
                             live[key] = copy.deepcopy(value)
         for group, live in zip(_groups(self.optimizer), live_groups):

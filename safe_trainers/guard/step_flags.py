@@ -14,6 +14,7 @@ import torch
 
 from .collectives import agree_any, ranks_with_flag
 from .policy import StepRecord
+from .sharding import replicated
 
 
 class PendingStep(NamedTuple):
@@ -59,16 +60,19 @@ class StepFlags:
         value = value.sum()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
-    def end_step(self, step: int, grad_norm: Any, device: Any, optimizer_skipped: bool = False) -> torch.Tensor:
+    def end_step(
+        self, step: int, grad_norm: Any, device: Any, optimizer_skipped: bool = False, dropped: bool = False
+    ) -> torch.Tensor:
         """Close step `step`: combine the loss flag with the gradient norm, agree across ranks (one all-reduce), keep
-        the record, and return the device fault flag. `optimizer_skipped`: DeepSpeed already skipped this step."""
+        the record, and return the device fault flag. `optimizer_skipped`: DeepSpeed already skipped this step.
+        `dropped`: every rank left this step's batches untrained (a poisoned step): a fault, whatever the scaler."""
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         norm = (
             grad_norm
             if torch.is_tensor(grad_norm)
             else torch.tensor(float("nan") if grad_norm is None else float(grad_norm), device=device)
         )
-        norm = norm.detach().float().to(local.device)
+        norm = replicated(norm).detach().float().to(local.device)  # FSDP2 returns it as a `DTensor`
         norm_bad = ~torch.isfinite(norm)
         if optimizer_skipped:
             norm_bad = norm_bad | torch.tensor(True, device=local.device)
@@ -79,11 +83,27 @@ class StepFlags:
         else:
             fault = loss_bad_any | norm_bad_any
             overflow = torch.zeros_like(fault)
+        if dropped:
+            fault, overflow = torch.ones_like(fault), torch.zeros_like(overflow)
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
         self.pending.append(PendingStep(step, fault, local, loss, norm, overflow))
         self.fault_now = fault
         self._loss_bad = self._loss_sum = None
         return fault
+
+    def skip_update(self, optimizer: Any) -> None:
+        """Make `optimizer.step()` a no-op when the step just closed is a fault (after clipping, before the step)."""
+        fault = self.fault_now
+        if fault is None:
+            return
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if getattr(inner, "_step_supports_amp_scaling", False) and not self.loss_scaled:
+            # Fused optimizers skip on the device when `found_inf` is set, and undo their step counter.
+            inner.found_inf = fault.to(torch.float32)
+        elif bool(fault):  # one host read: this optimizer cannot skip on the device
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    param.grad = None
 
     def read(self) -> list[StepRecord]:
         """The pending steps as [`StepRecord`]s, in one device-to-host transfer (and, only when a step is bad, one

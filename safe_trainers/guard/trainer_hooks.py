@@ -10,7 +10,9 @@ guard touches, and how each keeps its contract:
 * checkpoints and `trainer_state.json`: written to a staging directory, verified finite, then renamed; the best-model
   path always names a published checkpoint; `on_save` and hub uploads only ever see published checkpoints.
 * `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
-* resume: the guard's counters and LR backoff come back from `nan_guard_state.json`.
+* resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
+  and a restart by the elastic agent take the newest complete and finite checkpoint (`restart.py`).
+* crashes: the step record is kept on disk and a poisoned step's batches are not trained (`step_progress.py`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import os
 from typing import Any
 
 import torch
-from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import rotate_checkpoints
 
 from ..errors import NonFiniteWeightsError
 from .checkpoint import STAGING_DIR, all_finite, clean_staging, publish, staging_run_dir
 from .guard import NanGuard
+from .recovery import refuse_save
+from .restart import record_resume, resolve_run
+from .step_progress import StepProgressCallback
 
 logger = logging.getLogger("safe_trainers")
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -35,25 +40,25 @@ class NanGuardTrainerMixin:
     """Mixed in before a `transformers.Trainer` subclass; active when `self.nan_guard` is a [`NanGuard`]."""
 
     nan_guard: NanGuard | None = None
+    step_progress: StepProgressCallback | None = None
     _staging_checkpoint = False
     _last_finite_total_loss = 0.0
-    _guard_window_loss: float | None = None
 
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
     ):
         guard = self.nan_guard
+        if guard is not None and self.is_world_process_zero():
+            for path in clean_staging(self.args.output_dir):
+                logger.warning(f"NaN guard: removed a half-written checkpoint left by an interrupted save: {path}")
+        plan = resolve_run(self, resume_from_checkpoint)  # `True` and restarts: the newest healthy checkpoint
         if guard is not None:
-            if self.is_world_process_zero():
-                for path in clean_staging(self.args.output_dir):
-                    logger.warning(f"NaN guard: removed a half-written checkpoint left by an interrupted save: {path}")
-            checkpoint = resume_from_checkpoint
-            if checkpoint is True:
-                checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is not True or checkpoint is not None:  # else transformers raises: no checkpoint
-                guard.start_run(checkpoint if isinstance(checkpoint, str) else None)
+            guard.start_run(plan.checkpoint)
+            record_resume(guard, plan)
+            if self.step_progress is not None:
+                self.step_progress.start(plan.history, plan.data)
         output = super().train(
-            resume_from_checkpoint=resume_from_checkpoint,
+            resume_from_checkpoint=plan.checkpoint,
             trial=trial,
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
@@ -73,6 +78,8 @@ class NanGuardTrainerMixin:
         )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.step_progress is not None and self.step_progress.dropping:  # a poisoned step: not trained
+            return self.step_progress.dropped_loss(self.args.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.nan_guard is not None:
             self.nan_guard.observe_loss(loss)
@@ -81,7 +88,8 @@ class NanGuardTrainerMixin:
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         if self.nan_guard is not None:
-            self.nan_guard.end_of_step(grad_norm)
+            dropped = self.step_progress is not None and self.step_progress.dropping
+            self.nan_guard.end_of_step(grad_norm, dropped=dropped)
         return grad_norm
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -99,9 +107,10 @@ class NanGuardTrainerMixin:
         guard = self.nan_guard
         if guard is not None:
             if "loss" in logs:
-                if self._guard_window_loss is not None:
-                    logs["loss"] = self._guard_window_loss
-                self._guard_window_loss = None
+                # The window closes where the Trainer logs it: every rank calls `log` here, as the collective needs.
+                window_loss = guard.ledger.close_window()
+                if window_loss is not None:
+                    logs["loss"] = window_loss
                 # The Trainer's running totals must not stay NaN forever after a skipped step.
                 if isinstance(self._tr_loss, torch.Tensor) and not bool(torch.isfinite(self._tr_loss)):
                     self._tr_loss.zero_()
@@ -114,7 +123,7 @@ class NanGuardTrainerMixin:
                 if value is not None:
                     logs["train_loss"] = value
             if "train_runtime" not in logs:
-                logs.update(guard.log_counters())
+                logs.update(guard.state.counters())
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
@@ -133,7 +142,7 @@ class NanGuardTrainerMixin:
             return super()._save_checkpoint(model, trial)
         step = self.state.global_step
         if not guard.state_verified():
-            guard.refuse_save(step)  # not reached from the training loop, which restores a damaged state first
+            refuse_save(guard.events, step)  # not reached from the training loop, which restores a damaged state first
             return
         run_dir = self._get_output_dir(trial)
         name = f"checkpoint-{step}"
@@ -147,7 +156,7 @@ class NanGuardTrainerMixin:
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_FILE))  # with the published best path
-            guard.save_state(staged)
+            guard.state.save(staged)
             publish(staged, final)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub:

@@ -15,6 +15,7 @@ from .env import CublasSigfpe
 from .grpo import GroupSize, VllmIsTruncation, VocabSize
 from .kto import KtoBatchAndLabels
 from .logging import ShowNonFinite
+from .memory import SnapshotFits
 from .moe import RouterAuxLoss
 from .optim import GradClip, LearningRate
 from .peft import RewardSeqClsLora
@@ -41,6 +42,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     VocabSize(),
     VllmIsTruncation(),
     RouterAuxLoss(),
+    SnapshotFits(),
 )
 
 

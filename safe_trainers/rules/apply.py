@@ -1,8 +1,9 @@
-"""Apply the changes of fixed findings: to a `TrainerSetup` before construction, to a built trainer after it.
+"""Apply the changes of fixed findings to a `TrainerSetup`, before construction.
 
-These are the only functions that act on what the rules decided. The user's own objects are never mutated: a changed
-config is a new config (`dataclasses.replace`, so its `__post_init__` validates and derives fields again), a changed
-PEFT config is a copy.
+Before construction a change is data: its path says where it goes (`args.*`, `peft_config.*`, `model.*`), and these
+functions carry it out. After construction each rule carries out its own fix ([`Rule.apply_built`], next to its
+`check_built`). The user's own objects are never mutated: a changed config is a new config (its `__post_init__`
+validates and derives fields again), a changed PEFT config is a copy.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from .report import REMOVED, Change, Finding
 from .context import TrainerSetup
+from .grpo import CHECKED_GROUP
 
 
 def apply_to_setup(setup: TrainerSetup, finding: Finding) -> TrainerSetup:
@@ -65,7 +67,7 @@ def replace_args(args: Any, changes: list[Change], deepspeed_config: dict | None
     for field_name, source in _DERIVED_FIELDS.items():
         if getattr(args, field_name, None) is not None and getattr(args, source, None) is not None:
             fields.setdefault(field_name, None)
-    new = dataclasses.replace(args, **fields)
+    new = copy_config(args, **fields)
     # `__post_init__` derives `mixed_precision` from accelerate's environment and the fp16/bf16 flags: a value a rule
     # set earlier (fp32 instead of accelerate's fp16) survives later copies unless the flags themselves change.
     flags_changed = any(fields.get(flag, getattr(args, flag)) != getattr(args, flag) for flag in ("fp16", "bf16"))
@@ -74,6 +76,18 @@ def replace_args(args: Any, changes: list[Change], deepspeed_config: dict | None
     for name, value in derived.items():
         setattr(new, name, value)
     return new, ds
+
+
+def copy_config(args: Any, **changes: Any) -> Any:
+    """`dataclasses.replace(args, **changes)`, keeping the record of the group check that `args` passed (see
+    [`~safe_trainers.rules.grpo.group_checked`]): the copy's `__post_init__` checks the group again only if `changes`
+    changed it."""
+    new = object.__new__(type(args))
+    if hasattr(args, CHECKED_GROUP):
+        setattr(new, CHECKED_GROUP, getattr(args, CHECKED_GROUP))  # set first: `__init__` sets only the fields
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    new.__init__(**{**values, **changes})
+    return new
 
 
 _DERIVED_FIELDS = {"steps_per_generation": "generation_batch_size"}
@@ -85,61 +99,6 @@ def cast_parameters(model: Any, old: torch.dtype, new: torch.dtype) -> None:
     for param in model.parameters():
         if param.dtype == old:
             param.data = param.data.to(new)
-
-
-def apply_to_trainer(trainer: Any, finding: Finding) -> Any:
-    """Apply the finding's changes to a constructed trainer in place and return it."""
-    for change in finding.changes:
-        action = TRAINER_ACTIONS.get(change.path)
-        if action is None:
-            raise ValueError(f"No way to apply a change to `{change.path}` after construction.")
-        action(trainer, change, finding.data)
-    return trainer
-
-
-def _upcast_trainable(trainer: Any, change: Change, data: dict) -> None:
-    names = set(data["names"])
-    for name, param in trainer.model.named_parameters():
-        if name in names:
-            param.data = param.data.to(torch.float32)
-
-
-def _drop_rows(trainer: Any, change: Change, data: dict) -> None:
-    drop = set(data["drop_rows"])
-    trainer.train_dataset = trainer.train_dataset.select([i for i in range(len(trainer.train_dataset)) if i not in drop])
-
-
-def _train_modules(trainer: Any, change: Change, data: dict) -> None:
-    make_modules_trainable(trainer.model, change.new)
-
-
-def _mean_embedding_rows(trainer: Any, change: Change, data: dict) -> None:
-    from .tokens import embedding_matrices, set_rows_to_mean
-
-    # The reference model starts as a copy of the policy: give it the same rows, so the KL term starts at 0.
-    for model in (trainer.model, getattr(trainer, "ref_model", None)):
-        if model is not None:
-            matrices = embedding_matrices(model)
-            for name, rows in data["rows"].items():
-                if name in matrices:
-                    set_rows_to_mean(matrices[name], rows)
-
-
-TRAINER_ACTIONS = {
-    "model.trainable_params.dtype": _upcast_trainable,
-    "train_dataset.num_rows": _drop_rows,
-    "model.peft_config.modules_to_save": _train_modules,
-    "model.embeddings.untrained_rows": _mean_embedding_rows,
-}
-
-
-def make_modules_trainable(model: Any, modules_to_save: list[str], adapter: str = "default") -> None:
-    """Train `modules_to_save` of a PEFT model and save them with the adapter, as PEFT does for `SEQ_CLS`."""
-    from peft.utils.other import set_additional_trainable_modules
-
-    peft_config = model.peft_config[adapter]
-    peft_config.modules_to_save = list(modules_to_save)
-    set_additional_trainable_modules(model, peft_config, model.config, adapter)
 
 
 def _set(mapping: dict, key: str, value: Any) -> None:

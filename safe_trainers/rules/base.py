@@ -25,6 +25,10 @@ class BuiltTrainer:
         source_rows (`int | None`): the number of rows of the training dataset as passed, before TRL's preprocessing.
         processing_class (`PreTrainedTokenizerBase | ProcessorMixin | None`): the tokenizer or processor TRL uses.
         ref_model (`PreTrainedModel | None`): the reference model TRL built or was given (DPO, KTO, GRPO with `beta`).
+        snapshot_strategy (`str | None`): how the run spreads its state over ranks, as the NaN guard's snapshot sees
+            it (`"single"`, `"ddp"`, `"fsdp2"`, `"zero1"`..`"zero3"`).
+        snapshot_bytes_per_node (`int | None`): host bytes the guard's snapshots of one node's ranks would hold.
+        host_memory_available (`int | None`): host memory available when the trainer was built, in bytes.
     """
 
     kind: str
@@ -35,6 +39,9 @@ class BuiltTrainer:
     source_rows: int | None = None
     processing_class: Any = None
     ref_model: Any = None
+    snapshot_strategy: str | None = None
+    snapshot_bytes_per_node: int | None = None
+    host_memory_available: int | None = None
 
 
 class Rule:
@@ -42,7 +49,8 @@ class Rule:
 
     Subclasses set the class attributes and override `check` (runs on a [`TrainerSetup`] before the model is loaded),
     `check_built` (runs on a [`BuiltTrainer`] after construction), or both. Checks are pure: they read and return a
-    [`Finding`] (or `None`); the trainer applies the changes.
+    [`Finding`] (or `None`). The stages act on it: before construction the changes are applied from their paths
+    (`rules/apply.py`); after it, by the rule's own `apply_built` (overridden by every rule whose `check_built` fixes).
 
     Attributes:
         id (`str`): stable id used in reports and in `safety_disable_rules`. Never renamed once released.
@@ -61,6 +69,11 @@ class Rule:
 
     def check_built(self, built: BuiltTrainer) -> Finding | None:
         return None
+
+    def apply_built(self, trainer: Any, finding: Finding) -> None:
+        """Carry out a fix that `check_built` returned on the built trainer, in place (an action: the built stage calls
+        it for each fix it applies). `finding.data` holds what the check found (rows to drop, parameter names)."""
+        raise NotImplementedError(f"`{self.id}` fixed the built trainer in `check_built` but has no `apply_built`.")
 
     # Helpers so that rules read like the reports they produce.
     def fixed(self, message: str, *changes: Change, **data: Any) -> Finding:

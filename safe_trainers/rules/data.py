@@ -128,3 +128,8 @@ class NoLossTokens(Rule):
                 f"{cause}); {total} remain."
             )
         return None
+
+    def apply_built(self, trainer, finding: Finding) -> None:
+        drop = set(finding.data["drop_rows"])
+        dataset = trainer.train_dataset
+        trainer.train_dataset = dataset.select([i for i in range(len(dataset)) if i not in drop])

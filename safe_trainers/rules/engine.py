@@ -1,7 +1,9 @@
-"""Run the rules: select them, collect findings, decide what to apply or raise.
+"""Run the rules: select them, collect their findings, and decide which are raised, reported or applied.
 
-`run_stage` decides; the caller passes the action (`apply`) that carries a fix out on its own target (a trainer setup,
-a built trainer, an OpenRLHF command). The trainers' two stages, with their actions, are in `stages.py`.
+Nothing here acts on a trainer, a config or a command. `run_stage` records the findings in the report it is given and
+hands each fix it decides to apply to the `apply` its caller passes: the actions stay at the edge (`stages.py` for
+the trainers: a new `TrainerSetup` before construction, the rule's own `apply_built` after it; the OpenRLHF shim's
+rewrite of the command).
 """
 
 from __future__ import annotations
@@ -38,29 +40,23 @@ def run_stage(
     apply: Callable[[T, Finding], T],
 ) -> T:
     """Run `check` for each rule on `target` under `safety_mode` `mode`, record the findings in `report`, and return
-    the updated target.
+    the updated target. `apply(target, finding)` carries out a fix and returns the target it gives; it is the only
+    call that acts.
 
     First every rule checks the target as given: blocked findings (in `"strict"` mode every finding but a changed
-    library default, see [`Finding.library_default`]) are raised
-    together as one [`SafetyError`] before anything is changed, so a fix can never hide a blocking problem. Then, in
-    `"fix"` mode, the rules run again in order and each fix is applied before the next rule runs, so later rules see
-    earlier fixes. In `"warn"` mode fixes are reported as warnings and nothing changes.
+    library default, see [`Finding.library_default`]) are raised together as one [`SafetyError`] before anything is
+    changed, so a fix can never hide a blocking problem. Then, in `"fix"` mode, the rules run again in order and each
+    fix is applied before the next rule runs, so later rules see earlier fixes. In `"warn"` mode fixes are reported
+    as warnings and nothing changes.
     """
     rules = list(rules)
-    strict = mode == "strict"
     opt_out = report.opt_out
     first = [f for f in (check(rule, target) for rule in rules) if f is not None]
-    # `strict` refuses every finding about the user's own settings; a changed library default is still applied.
-    refused = [f for f in first if (strict and f.counts_against_user) or f.action == "blocked"]
-    blocked = [_as_blocked(f, strict, opt_out) for f in refused]
+    blocked = refused(first, mode, opt_out)
     if blocked:
         raise SafetyError(blocked, opt_out=opt_out)
     if mode == "warn":
-        for finding in first:
-            if finding.action == "fixed":
-                note = f" (not applied: {opt_out.set_mode('warn')})"
-                finding = replace(finding, action="warned", message=finding.message + note)
-            report.findings.append(finding)
+        report.findings.extend(unapplied(first, opt_out))
         return target
     late_blocked = []
     for rule in rules:
@@ -75,6 +71,20 @@ def run_stage(
     if late_blocked:
         raise SafetyError(late_blocked, opt_out=opt_out)
     return target
+
+
+def refused(findings: Iterable[Finding], mode: str, opt_out: OptOut = TRAINER_OPT_OUT) -> list[Finding]:
+    """The findings that stop the stage before anything changes, as `blocked` findings: the blocked ones, and in
+    `"strict"` mode every finding about the user's own settings (a changed library default is still applied)."""
+    strict = mode == "strict"
+    stops = [f for f in findings if f.action == "blocked" or (strict and f.counts_against_user)]
+    return [_as_blocked(f, strict, opt_out) for f in stops]
+
+
+def unapplied(findings: Iterable[Finding], opt_out: OptOut = TRAINER_OPT_OUT) -> list[Finding]:
+    """The findings as `"warn"` mode reports them: every fix becomes a warning that says it was not applied."""
+    note = f" (not applied: {opt_out.set_mode('warn')})"
+    return [replace(f, action="warned", message=f.message + note) if f.action == "fixed" else f for f in findings]
 
 
 def _as_blocked(finding: Finding, strict: bool, opt_out: OptOut = TRAINER_OPT_OUT) -> Finding:
@@ -93,4 +103,4 @@ def new_report(kind: str, settings: SafetyArguments, disabled: Iterable[Rule] = 
     return SafetyReport(trainer=kind, mode=settings.safety_mode, findings=skipped_findings(disabled))
 
 
-__all__ = ["new_report", "run_stage", "select_rules", "skipped_findings"]
+__all__ = ["new_report", "refused", "run_stage", "select_rules", "skipped_findings", "unapplied"]

@@ -9,13 +9,31 @@ from __future__ import annotations
 from .hardware import cublas_at_risk
 from .report import Finding
 from .base import Rule
-from .precision import half_precision_in_use
+from .precision import launcher_precision, load_dtype, parameter_dtypes
 
 
 CUBLAS_FIX = (
     "`pip install 'nvidia-cublas-cu12>=12.4.5.8'` (the wheel torch loads), or a torch built for CUDA >= 12.4 "
     "(e.g. `pip install torch --index-url https://download.pytorch.org/whl/cu124`)"
 )
+
+
+def half_precision_in_use(setup) -> list[str]:
+    """How the run computes in bf16/fp16 (AMP flags, accelerate, DeepSpeed, half weights), as the user set it."""
+    args = setup.args
+    found = [f"`{flag}=True`" for flag in ("bf16", "fp16") if getattr(args, flag, False)]
+    launcher = launcher_precision(args)
+    if launcher in ("fp16", "bf16"):
+        found.append(f"accelerate's `mixed_precision={launcher!r}`")
+    ds = setup.deepspeed_config or {}
+    found += [f'DeepSpeed `"{key}"`' for key in ("bf16", "fp16") if (ds.get(key) or {}).get("enabled") is True]
+    if setup.model_is_path:
+        resolved = load_dtype(setup.model_init_kwargs, setup.model_config)[1]
+        if resolved in ("bfloat16", "float16"):
+            found.append(f"{resolved} weights")
+    else:
+        found += [f"{name} weights" for name in sorted(parameter_dtypes(setup.model) & {"bfloat16", "float16"})]
+    return found
 
 
 class CublasSigfpe(Rule):

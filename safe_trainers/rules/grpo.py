@@ -45,13 +45,33 @@ def group_size_problems(num_generations: int | None, generation_batch_size: int 
     return problems
 
 
+# Where `GRPOConfig`/`RLOOConfig` record the group values they checked in `__post_init__`, so that neither the rule nor
+# a copy of the config (`rules.apply.copy_config`) checks them again; a value changed since is checked again.
+CHECKED_GROUP = "_safety_checked_group"
+
+
+def group_values(args) -> tuple[int | None, int | None, float]:
+    """`(num_generations, generation_batch_size, temperature)` of a config, as `group_size_problems` takes them."""
+    return (
+        getattr(args, "num_generations", None),
+        getattr(args, "generation_batch_size", None),
+        getattr(args, "temperature", 1.0),
+    )
+
+
+def group_checked(args) -> bool:
+    """Whether `args` checked its current group values itself (a safe GRPO/RLOO config does, once per config)."""
+    return getattr(args, CHECKED_GROUP, None) == group_values(args)
+
+
 class GroupSize(Rule):
     """`num_generations` >= 2, generation batch divisible by it, `temperature` > 0 (checked before loading).
 
     What it changes:
         blocked unless `num_generations` >= 2, the generation batch (`per_device_train_batch_size` x processes x
-        `steps_per_generation`) is divisible by it, and `temperature` > 0; checked in `GRPOConfig`/`RLOOConfig` and
-        again at construction, before any model is loaded.
+        `steps_per_generation`) is divisible by it, and `temperature` > 0; checked in `GRPOConfig`/`RLOOConfig`, and
+        at construction, before any model is loaded, for values the config did not check (a plain TRL config, or a
+        field changed after the config was built).
 
     Why:
         the std of one completion (GRPO) and the leave-one-out mean of none (RLOO) are NaN; a split group breaks reward
@@ -67,12 +87,9 @@ class GroupSize(Rule):
     rationale = "https://github.com/huggingface/trl/issues/2906"
 
     def check(self, setup) -> Finding | None:
-        args = setup.args
-        problems = group_size_problems(
-            getattr(args, "num_generations", None),
-            getattr(args, "generation_batch_size", None),
-            getattr(args, "temperature", 1.0),
-        )
+        if group_checked(setup.args):
+            return None  # the config checked these values when it was built (`GRPOConfig`/`RLOOConfig`)
+        problems = group_size_problems(*group_values(setup.args))
         return self.blocked(" ".join(problems)) if problems else None
 
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from .report import Change, Finding
 from .base import BuiltTrainer, Rule
-from .precision import checkpoint_dtype, dtype_changes, fp16_trainable_parameters, is_fp16, requested_dtype
+from .precision import (
+    checkpoint_dtype,
+    dtype_changes,
+    fp16_trainable_parameters,
+    is_fp16,
+    requested_dtype,
+    upcast_to_fp32,
+)
 
 
 HEAD_NAMES = ("score", "classifier")
@@ -93,6 +100,7 @@ class RewardSeqClsLora(Rule):
                 "would stay random and would not be saved with the adapter. Made it trainable and saved with the "
                 f"adapter (`modules_to_save={old + modules}`), as `task_type=\"SEQ_CLS\"` does.",
                 Change("model.peft_config.modules_to_save", old or None, old + modules),
+                modules_to_save=old + modules,
             )
         names = fp16_trainable_parameters(built.model)
         if names:
@@ -103,3 +111,19 @@ class RewardSeqClsLora(Rule):
                 names=names,
             )
         return None
+
+    def apply_built(self, trainer, finding: Finding) -> None:
+        # one of the two fixes above: the frozen head (`modules_to_save`), or the fp16 trainable parameters (`names`)
+        if "modules_to_save" in finding.data:
+            make_modules_trainable(trainer.model, finding.data["modules_to_save"])
+        else:
+            upcast_to_fp32(trainer.model, finding.data["names"])
+
+
+def make_modules_trainable(model, modules_to_save: list[str], adapter: str = "default") -> None:
+    """Train `modules_to_save` of a PEFT model and save them with the adapter, as PEFT does for `SEQ_CLS`."""
+    from peft.utils.other import set_additional_trainable_modules
+
+    peft_config = model.peft_config[adapter]
+    peft_config.modules_to_save = list(modules_to_save)
+    set_additional_trainable_modules(model, peft_config, model.config, adapter)

@@ -222,27 +222,20 @@ class Fp32TrainableParams(Rule):
             names=names,
         )
 
+    def apply_built(self, trainer, finding: Finding) -> None:
+        upcast_to_fp32(trainer.model, finding.data["names"])
+
 
 def fp16_trainable_parameters(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad and dtype_name(p.dtype) == "float16"]
 
 
-def half_precision_in_use(setup) -> list[str]:
-    """How the run computes in bf16/fp16 (AMP flags, accelerate, DeepSpeed, half weights), as the user set it."""
-    args = setup.args
-    found = [f"`{flag}=True`" for flag in ("bf16", "fp16") if getattr(args, flag, False)]
-    launcher = launcher_precision(args)
-    if launcher in ("fp16", "bf16"):
-        found.append(f"accelerate's `mixed_precision={launcher!r}`")
-    ds = setup.deepspeed_config or {}
-    found += [f'DeepSpeed `"{key}"`' for key in ("bf16", "fp16") if (ds.get(key) or {}).get("enabled") is True]
-    if setup.model_is_path:
-        resolved = load_dtype(setup.model_init_kwargs, setup.model_config)[1]
-        if resolved in ("bfloat16", "float16"):
-            found.append(f"{resolved} weights")
-    else:
-        found += [f"{name} weights" for name in sorted(parameter_dtypes(setup.model) & {"bfloat16", "float16"})]
-    return found
+def upcast_to_fp32(model, names: list[str]) -> None:
+    """Upcast the parameters of `model` named in `names` to fp32, in place (the action of the fixes above)."""
+    names = set(names)
+    for name, param in model.named_parameters():
+        if name in names:
+            param.data = param.data.float()
 
 
 def bf16_requests(setup) -> list[str]:

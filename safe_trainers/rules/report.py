@@ -1,7 +1,8 @@
 """What the safety rules found and changed: `Change`, `Finding` and `SafetyReport`.
 
-A finding is data. Rules return findings and never act; the trainer applies the changes a finding carries and the
-report records them, so the same rule can lint a YAML file, configure a trainer or rewrite a launcher command.
+A finding is data. Rule checks return findings and never act; the stages apply the changes a finding carries (after
+construction through the rule's own `apply_built`) and the report records them, so the same rule can lint a YAML file,
+configure a trainer or rewrite a launcher command.
 """
 
 from __future__ import annotations

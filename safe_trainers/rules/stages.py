@@ -1,7 +1,10 @@
 """The trainers' two rule stages, one entry each, used by the safe trainers, `safe-trainers check` and the tests.
 
-1. `run_setup_rules`: before any weight is loaded, on the [`TrainerSetup`]; fixes change the setup.
-2. `run_built_rules`: after TRL's constructor, on the built trainer ([`BuiltTrainer`] view); fixes change the trainer.
+1. `run_setup_rules`: before any weight is loaded, on the [`TrainerSetup`]; fixes give a new setup (`apply_to_setup`).
+2. `run_built_rules`: after TRL's constructor, on the built trainer ([`BuiltTrainer`] view); each fix is carried out
+   in place by the rule that found it ([`Rule.apply_built`]).
+
+The engine (`engine.py`) decides what is raised, reported and applied; these entries give it the actions.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from typing import Any
 from ..arguments import SafetyArguments
 from ..errors import SafetyError
 from . import DEFAULT_RULES, BuiltTrainer, Rule
-from .apply import apply_to_setup, apply_to_trainer
+from .apply import apply_to_setup
 from .context import TrainerSetup
 from .engine import new_report, run_stage, select_rules
-from .report import SafetyReport
+from .report import Finding, SafetyReport
 
 
 def run_setup_rules(
@@ -49,19 +52,29 @@ def run_setup_rules(
 
 
 def run_built_rules(
-    trainer: Any, settings: SafetyArguments, report: SafetyReport, source_rows: int | None = None
+    trainer: Any,
+    settings: SafetyArguments,
+    report: SafetyReport,
+    source_rows: int | None = None,
+    *,
+    rules: Iterable[Rule] = DEFAULT_RULES,
 ) -> None:
     """Run the rules that need the loaded model or the tokenized data on a built safe trainer, recording them in
-    `report`; fixes are applied to the trainer. `source_rows`: the training set's size as passed, before TRL's
-    preprocessing."""
+    `report`; each fix is applied to the trainer, in place, by its rule's `apply_built`. `source_rows`: the training
+    set's size as passed, before TRL's preprocessing; `rules`: the rule set (default: every built-in rule)."""
     if settings.safety_mode == "off":
         return
-    enabled, _ = select_rules(trainer._safety_kind, settings)
+    enabled, _ = select_rules(trainer._safety_kind, settings, rules)
+    owners = {rule.id: rule for rule in enabled}
 
     def check(rule: Rule, target: Any) -> Any:
         return rule.check_built(built_view(target, source_rows))
 
-    run_stage(trainer, enabled, settings.safety_mode, report, check=check, apply=apply_to_trainer)
+    def apply(target: Any, finding: Finding) -> Any:
+        owners[finding.rule_id].apply_built(target, finding)
+        return target
+
+    run_stage(trainer, enabled, settings.safety_mode, report, check=check, apply=apply)
 
 
 def built_view(trainer: Any, source_rows: int | None = None) -> BuiltTrainer:
@@ -76,7 +89,8 @@ def built_view(trainer: Any, source_rows: int | None = None) -> BuiltTrainer:
         processing_class=getattr(trainer, "processing_class", None),
         ref_model=getattr(trainer, "ref_model", None),
         peft_config=peft_config,
-    )
+        **snapshot_facts(trainer),
+)
 
 
 def built_rule_ids(rules: Iterable[Rule] = DEFAULT_RULES) -> list[str]:
@@ -88,4 +102,54 @@ def _check_setup(rule: Rule, setup: TrainerSetup) -> Any:
     return rule.check(setup)
 
 
-__all__ = ["built_rule_ids", "built_view", "run_built_rules", "run_setup_rules"]
+
+
+def snapshot_facts(trainer: Any) -> dict[str, Any]:
+    """What the `memory.*` rule reads: the run's strategy, the NaN guard's snapshot size per node, and the host memory
+    available now (read from the built trainer and the machine: the action side of a pure check)."""
+    import psutil
+
+    from ..guard.memory import RunShape, per_node_bytes
+
+    params = list(trainer.model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if trainer.is_deepspeed_enabled:
+        strategy = f"zero{trainer.accelerator.state.deepspeed_plugin.zero_stage}"
+    elif trainer.is_fsdp_enabled:
+        strategy = "fsdp2"
+    else:
+        strategy = "ddp" if trainer.args.world_size > 1 else "single"
+    if strategy == "zero0":
+        return {}
+    frozen = [p for p in params if not p.requires_grad]
+    shape = RunShape(
+        name=trainer._safety_kind,
+        params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in trainable),
+        strategy=strategy,
+        world_size=trainer.args.world_size,
+        gpus_per_node=local_ranks(trainer.args.world_size),
+        weight_bytes=trainable[0].element_size() if trainable else 4,
+        frozen_bytes=frozen[0].element_size() if frozen else 2,
+    )
+    return {
+        "snapshot_strategy": strategy,
+        "snapshot_bytes_per_node": per_node_bytes(shape),
+        "host_memory_available": psutil.virtual_memory().available,
+    }
+
+
+def local_ranks(world_size: int) -> int:
+    """The ranks on this node: the elastic launcher's `LOCAL_WORLD_SIZE` (torchrun, `accelerate launch`), else one
+    per visible GPU, at most `world_size`."""
+    import os
+
+    import torch
+
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.isdigit():
+        return int(local)
+    return max(1, min(world_size, torch.cuda.device_count()))
+
+
+__all__ = ["built_rule_ids", "built_view", "local_ranks", "run_built_rules", "run_setup_rules", "snapshot_facts"]

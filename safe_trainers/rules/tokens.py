@@ -203,3 +203,12 @@ class UntrainedEmbeddings(Rule):
             Change("model.embeddings.untrained_rows", ids, "mean of the trained rows"),
             rows=rows,
         )
+
+    def apply_built(self, trainer, finding: Finding) -> None:
+        # The reference model starts as a copy of the policy: give it the same rows, so the KL term starts at 0.
+        for model in (trainer.model, getattr(trainer, "ref_model", None)):
+            if model is not None:
+                matrices = embedding_matrices(model)
+                for name, rows in finding.data["rows"].items():
+                    if name in matrices:
+                        set_rows_to_mean(matrices[name], rows)

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import torch
 from transformers import TrainerCallback
 
+from ..guard.sharding import is_sharded, local
+
 
 FaultKind = Literal["loss", "grad", "weight", "update"]
 
@@ -98,7 +100,14 @@ class FaultInjector(TrainerCallback):
             handle.remove()
 
     def _poison_activation(self, module, inputs, output):
-        if "loss" not in self._active or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return None
+        if "grad" in self._active and is_sharded(self._weight):
+            # FSDP2 hands a sharded parameter its gradient outside autograd (after the reduce-scatter), so the
+            # parameter's own hook never fires: poison the gradient flowing back through this layer instead.
+            hidden = output if torch.is_tensor(output) else output[0]
+            hidden.register_hook(self._poison_grad)
+        if "loss" not in self._active:
             return None
         index, self._forwards = self._forwards % self._accumulation, self._forwards + 1
         if self._micro_batch is not None and index != self._micro_batch:
@@ -119,13 +128,13 @@ class FaultInjector(TrainerCallback):
 
 def _weight_target(param: torch.nn.Parameter, optimizer: Any) -> torch.Tensor:
     """Where the weight really lives: under DeepSpeed ZeRO, this rank's fp32 master partition (the 16-bit copy is
-    rewritten from it at every step); otherwise the parameter itself."""
+    rewritten from it at every step); under FSDP2, this rank's shard of the parameter; otherwise the parameter."""
     zero = getattr(optimizer, "optimizer", None)
     for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
         flats = [t for t in getattr(zero, name, []) if t.numel() > 0]
         if flats:
             return flats[0]
-    return param.data
+    return local(param.data)  # FSDP2: this rank's shard
 
 
 def last_decoder_layer(model: torch.nn.Module) -> torch.nn.Module:

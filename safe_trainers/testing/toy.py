@@ -173,3 +173,9 @@ def count_words_reward(completions, **kwargs) -> list[float]:
         words = text.split()
         rewards.append(float(sum(w in ("good", "yes") for w in words) - sum(w in ("bad", "no") for w in words)))
     return rewards
+
+
+def rank_reward(completions, **kwargs) -> list[float]:
+    """Toy GRPO/RLOO reward that always differs inside a group (0, 1, 2, 3, 0, ...), so every step has non-zero
+    advantages."""
+    return [float(i % 4) for i in range(len(completions))]

@@ -4,11 +4,11 @@ and only the settings the user wrote. Recipes in the style of published ones (al
 from __future__ import annotations
 
 import pytest
-from trainer_utils import build
 
 from safe_trainers.cli.main import main
 from safe_trainers.cli.target import hold_target_fields, target_problems, target_values
 from safe_trainers.rules.hardware import Hardware
+from safe_trainers.testing.build import build_trainer
 
 
 # A 7B-style SFT recipe as published for 8 x A100/H100: TF32 matmuls, NCCL, bf16, gradient checkpointing.
@@ -118,7 +118,7 @@ def test_a_library_default_is_reported_apart_and_does_not_fail_check(toy_models,
 
 
 def test_strict_mode_accepts_a_default_config_and_still_changes_the_default(toy_models, tmp_path):
-    trainer = build("dpo", toy_models["qwen2"], tmp_path, safety_mode="strict")
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, safety_mode="strict")
     (finding,) = trainer.safety_report.findings
     assert (finding.rule_id, finding.action, finding.library_default) == ("logging.show_nonfinite", "fixed", True)
     assert trainer.args.logging_nan_inf_filter is False

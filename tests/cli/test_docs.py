@@ -49,13 +49,15 @@ def handled_by_a_rule(cell: str) -> bool:
 def test_every_catalogued_source_is_mapped_and_the_count_is_right():
     text = (DOCS / "design" / "nan_catalogue.md").read_text()
     tables = text.split("\n\n")
-    defaults = next(table_rows(t) for t in tables if "source (safe_defaults.md section 3)" in t)
-    recent = next(table_rows(t) for t in tables if "source (nan_sources_2026.md)" in t)
-    assert [row[0] for row in defaults] == [str(i) for i in range(1, 21)]  # the 20 sources of section 3
-    assert len(recent) == 14  # the rows of nan_sources_2026.md
+    defaults = next(table_rows(t) for t in tables if "| # | source | public sources | handled by |" in t)
+    recent = next(table_rows(t) for t in tables if "| recent source | public sources | handled by |" in t)
+    assert [row[0] for row in defaults] == [str(i) for i in range(1, 21)]  # the 20 sources known at design time
+    assert len(recent) == 14  # the sources reported since
     for row in defaults + recent:
         cell = row[-1]
         assert handled_by_a_rule(cell) or re.match(r"(the guard|TRL|no rule)", cell), row
+        assert row[-2], f"no public source for {row[-3]!r}"
+    assert not re.search(r"safe_defaults|nan_sources_2026|research/", text)  # private notes users cannot open
     covered = sum(handled_by_a_rule(row[-1]) for row in defaults), sum(handled_by_a_rule(row[-1]) for row in recent)
     stated = re.search(r"Coverage: (\d+) of the 20 .* and (\d+) of the 14 .*: (\d+) of 34 in all", text, re.S)
     assert stated, "the coverage sentence is missing"

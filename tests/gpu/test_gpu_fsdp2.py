@@ -20,12 +20,11 @@ from guard_utils import checkpoint_steps
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(REPO, "tests", "workers", "fsdp2_worker.py")
-# accelerate's FSDP2 plugin, inline (no accelerate config file is shipped for FSDP2).
+WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
+# The settings of configs/accelerate/fsdp2.yaml, with full state dicts (gathered on rank 0) instead of shards.
 FSDP2 = [
-    "--use_fsdp", "--fsdp_version", "2", "--fsdp_state_dict_type", "FULL_STATE_DICT",
-    "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_reshard_after_forward", "true",
-    "--mixed_precision", "bf16",
+    "--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp2.yaml"),
+    "--fsdp_state_dict_type", "FULL_STATE_DICT",
 ]  # fmt: skip
 
 
@@ -45,10 +44,11 @@ def test_fsdp2_run_skips_the_fault_and_saves_finite(kind, tmp_path):
         "--dynamo_backend", "no", "--main_process_port", str(free_port()), *FSDP2,
     ]  # fmt: skip
     cmd = launch + [WORKER, "--kind", kind, "--model", model, "--out", str(out), "--fault", "loss:3"]
+    cmd += ["--gpu", "--save_final"]
     env = dict(os.environ, PYTHONPATH=REPO, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    with open(out / "result.json") as f:
+    with open(out / "result-rank0.json") as f:
         result = json.load(f)
     assert result["fsdp_version"] == 2 and "FULL_STATE_DICT" in result["state_dict_type"]
     # The diagnosis replays step 3's micro-batches, poisoned the same way: the fault may be listed more than once.
@@ -62,3 +62,18 @@ def test_fsdp2_run_skips_the_fault_and_saves_finite(kind, tmp_path):
     assert any(p.endswith("model.safetensors") for p in final), files  # the gathered full model
     assert all(any(p.startswith(str(out / "run" / f"checkpoint-{s}")) for p in files) for s in (4, 8)), files
     assert not nonfinite_files(files)
+
+
+@pytest.mark.distributed
+def test_fsdp_version_1_is_refused_with_the_guard(tmp_path):
+    model = save_toy_model(str(tmp_path / "model"), "qwen2")
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+        "--dynamo_backend", "no", "--main_process_port", str(free_port()), *FSDP2, "--fsdp_version", "1",
+    ]  # fmt: skip
+    cmd = launch + [WORKER, "--kind", "dpo", "--model", model, "--out", str(tmp_path / "out"), "--gpu"]
+    env = dict(os.environ, PYTHONPATH=REPO, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    assert done.returncode != 0
+    assert "`nan_guard=True` protects FSDP version 2" in done.stderr, done.stderr[-4000:]
+

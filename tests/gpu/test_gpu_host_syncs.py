@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_utils import build
+from safe_trainers.testing.build import build_trainer
 
 
 MAX_STEPS = 6
@@ -45,11 +45,11 @@ class SyncWatch:
 
 
 def hot_path_trainer(toy_models, tmp_path, **overrides):
-    return build(
+    return build_trainer(
         "dpo",
         toy_models["qwen2"],
         tmp_path,
-        n=2 * MAX_STEPS,
+        rows=2 * MAX_STEPS,
         max_steps=MAX_STEPS,
         bf16=True,
         logging_steps=MAX_STEPS + 1,

@@ -9,18 +9,21 @@ from safe_trainers.guard import read_events
 from safe_trainers.testing.faults import Fault
 
 from gpu_utils import all_finite, logged
-from guard_utils import checkpoint_steps, guarded_trainer, nonfinite_in_checkpoints, weights_finite
+from guard_utils import checkpoint_steps, nonfinite_in_checkpoints, weights_finite
+
+from safe_trainers.testing.build import build_trainer
 
 
 def test_fp16_overflows_are_recorded_and_never_rolled_back(toy_models, tmp_path):
     # Inf gradients with a finite loss at steps 3-6: what an overflowing loss scale produces, four times in a row (more
     # than `nan_max_consecutive_skips=3`, which faults would turn into a rollback).
     fault = Fault(step=3, kind="grad", value=float("inf"), repeat=4)
-    trainer = guarded_trainer(
+    trainer = build_trainer(
         "dpo",
         toy_models["qwen2"],
         str(tmp_path),
-        [fault],
+        preset="guarded",
+        faults=[fault],
         use_cpu=False,
         fp16=True,
         bf16=False,
@@ -45,7 +48,9 @@ def test_fp16_overflows_are_recorded_and_never_rolled_back(toy_models, tmp_path)
 
 
 def test_bf16_run_trains_finite(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), use_cpu=False, bf16=True, learning_rate=1e-5)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), preset="guarded", use_cpu=False, bf16=True, learning_rate=1e-5
+    )
     trainer.train()
     assert trainer.accelerator.mixed_precision == "bf16" and trainer.accelerator.scaler is None
     assert read_events(str(tmp_path)) == []

@@ -29,7 +29,8 @@ from safe_trainers.testing.quick import quick_args
 from safe_trainers.testing.toy import WORDS, build_model, build_tokenizer, preference_dataset
 
 from gpu_utils import all_finite, logged, record, stock_outcome
-from trainer_utils import actions, build, train_losses
+from safe_trainers.testing.build import build_trainer
+from trainer_utils import actions, train_losses
 
 
 GAIN = 1e5  # above fp16's largest finite value, 65504; far inside bf16's and fp32's range
@@ -71,7 +72,7 @@ def test_gemma3_dpo_fp16_stock_logs_nan_rewards_and_a_zero_loss(gemma3_large_act
 
 
 def test_gemma3_dpo_fp16_safe_trains_finite_in_bf16(gemma3_large_activations, tmp_path):
-    trainer = build("dpo", gemma3_large_activations, tmp_path, fp16=True, max_steps=4)
+    trainer = build_trainer("dpo", gemma3_large_activations, tmp_path, fp16=True, max_steps=4)
     assert actions(trainer)["precision.bf16_over_fp16"] == "fixed"
     assert (trainer.args.fp16, trainer.args.bf16, trainer.accelerator.mixed_precision) == (False, True, "bf16")
     assert all_finite(train_losses(trainer))
@@ -146,7 +147,7 @@ def test_gemma2_flash_attention(toy_models, tmp_path, record_property):
     assert min(len(ids) for ids in stock.train_dataset["prompt_ids"]) > stock.model.config.sliding_window
     record(record_property, "stock_gemma2_flash_attention", {"flash_attn": version, **stock_outcome(stock)})
 
-    safe = build("dpo", toy_models["gemma2"], tmp_path, dataset=data, **{**settings, "model_init_kwargs": dict(init)})
+    safe = build_trainer("dpo", toy_models["gemma2"], tmp_path, dataset=data, **{**settings, "model_init_kwargs": dict(init)})
     soft_caps = flash_soft_caps("flash_attention_2", version)
     expected = "flash_attention_2" if soft_caps else softcap_safe_implementation(type(safe.model))
     assert safe.model.config._attn_implementation == expected

@@ -13,11 +13,12 @@ import sys
 
 import pytest
 import torch
-from guard_utils import bad_reward_at_step, checkpoint_steps, guarded_trainer, nonfinite_in_checkpoints, weights_finite
+from guard_utils import bad_reward_at_step, checkpoint_steps, nonfinite_in_checkpoints, weights_finite
 
 import trl
 
 import safe_trainers as st
+from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.mixin import SafeTrainerMixin
 from safe_trainers.guard import read_events
@@ -32,10 +33,12 @@ def model_for(toy_models, kind):
 
 
 def guarded(kind, toy_models, tmp_path, faults=(), **overrides):
-    """The fault matrix's trainer: `guarded_trainer` on the kind's toy model (fp32 for SFT and RLOO)."""
+    """The fault matrix's trainer: the `"guarded"` preset on the kind's toy model (fp32 for SFT and RLOO)."""
     if kind in FP32_KINDS:
         overrides.setdefault("bf16", False)
-    return guarded_trainer(kind, model_for(toy_models, kind), str(tmp_path), list(faults), **overrides)
+    return build_trainer(
+        kind, model_for(toy_models, kind), tmp_path, preset="guarded", faults=list(faults), **overrides
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -84,7 +87,14 @@ def test_lora_nan_loss_and_nan_adapter_weight(toy_models, tmp_path, kind):
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS" if kind == "reward" else None)
     faults = [Fault(step=3, kind="loss"), Fault(step=7, kind="weight")]  # the weight is a LoRA matrix here
-    trainer = guarded_trainer(kind, model_for(toy_models, kind), str(tmp_path), faults, peft_config=lora)
+    trainer = build_trainer(
+        kind,
+        model_for(toy_models, kind),
+        tmp_path,
+        preset="guarded",
+        faults=faults,
+        trainer_kwargs={"peft_config": lora},
+    )
     trainer.train()
     events = [(e["step"], e["kind"]) for e in read_events(str(tmp_path))]
     assert events == [(3, "skip"), (7, "skip"), (7, "rollback")]
@@ -124,7 +134,9 @@ def test_persistent_fault_aborts_with_last_good_checkpoint(toy_models, tmp_path,
 )
 def test_grpo_nonfinite_rewards(toy_models, tmp_path, value, first_only, unscorable, expect_skip):
     reward = bad_reward_at_step(4, value, first_only)
-    trainer = guarded_trainer("grpo", toy_models["qwen2"], str(tmp_path), reward_funcs=reward, max_steps=6)
+    trainer = build_trainer(
+        "grpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=6, trainer_kwargs={"reward_funcs": reward}
+    )
     trainer.train()
     events = read_events(str(tmp_path))
     reward_events = [e for e in events if e["kind"] == "reward"]
@@ -145,7 +157,9 @@ class NanAdvantageGRPO(st.GRPOTrainer):
 
 
 def test_grpo_nan_advantages_are_skipped(toy_models, tmp_path):
-    trainer = guarded_trainer("grpo", toy_models["qwen2"], str(tmp_path), trainer_cls=NanAdvantageGRPO, max_steps=6)
+    trainer = build_trainer(
+        "grpo", toy_models["qwen2"], tmp_path, preset="guarded", trainer_cls=NanAdvantageGRPO, max_steps=6
+    )
     trainer.train()
     assert [(e["step"], e["kind"]) for e in read_events(str(tmp_path))] == [(4, "skip")]
     assert weights_finite(trainer) and not nonfinite_in_checkpoints(str(tmp_path))
@@ -171,10 +185,11 @@ class SpikyDPOTrainer(SafeTrainerMixin, _SpikyDPO):
 
 
 def test_loss_spike_rolls_back(toy_models, tmp_path):
-    trainer = guarded_trainer(
+    trainer = build_trainer(
         "dpo",
         toy_models["qwen2"],
-        str(tmp_path),
+        tmp_path,
+        preset="guarded",
         trainer_cls=SpikyDPOTrainer,
         max_steps=26,
         nan_spike_factor=6.0,
@@ -191,14 +206,16 @@ def test_loss_spike_rolls_back(toy_models, tmp_path):
 
 
 def test_guard_off_behaves_like_trl(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=3, kind="loss")], nan_guard=False)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(step=3, kind="loss")], nan_guard=False
+    )
     trainer.train()
     assert trainer.nan_guard is None and not read_events(str(tmp_path))
     assert not weights_finite(trainer)  # stock behaviour: the NaN update reaches the weights
 
 
 def test_nonfinite_checkpoint_is_refused(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=2, save_steps=1)
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=2, save_steps=1)
     trainer.train()
     with torch.no_grad():
         next(trainer.model.parameters()).view(-1)[0] = float("nan")
@@ -210,8 +227,15 @@ def test_nonfinite_checkpoint_is_refused(toy_models, tmp_path):
 
 def test_save_total_limit_keeps_clean_checkpoints(toy_models, tmp_path):
     fault = Fault(step=3, kind="loss", repeat=1000)
-    trainer = guarded_trainer(
-        "dpo", toy_models["qwen2"], str(tmp_path), [fault], save_steps=1, save_total_limit=1, nan_max_rollbacks=1
+    trainer = build_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        tmp_path,
+        preset="guarded",
+        faults=[fault],
+        save_steps=1,
+        save_total_limit=1,
+        nan_max_rollbacks=1,
     )
     with pytest.raises(st.TrainingDivergedError) as error:
         trainer.train()
@@ -224,7 +248,7 @@ def test_save_total_limit_keeps_clean_checkpoints(toy_models, tmp_path):
 KILL_SCRIPT = r"""
 import os, signal, sys
 sys.path.insert(0, {tests!r})
-from guard_utils import guarded_trainer
+from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
 class Killer:
@@ -236,7 +260,9 @@ class Killer:
             return original(output_dir)
         trainer._save_optimizer_and_scheduler = save
 
-trainer = guarded_trainer("dpo", {model!r}, {out!r}, [Fault(step=1, kind="loss")], save_steps=2, max_steps=6)
+trainer = build_trainer(
+    "dpo", {model!r}, {out!r}, preset="guarded", faults=[Fault(step=1, kind="loss")], save_steps=2, max_steps=6
+)
 Killer(trainer)
 trainer.train()
 """
@@ -257,7 +283,7 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(toy_models, tmp_pa
     AutoModelForCausalLM.from_pretrained(os.path.join(str(tmp_path), "checkpoint-2"))  # loadable
 
     # Resume: the half-written checkpoint is cleaned up and the guard's counters come back.
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), save_steps=2, max_steps=6)
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", save_steps=2, max_steps=6)
     trainer.train(resume_from_checkpoint=True)
     assert not os.path.exists(os.path.join(str(tmp_path), ".safe_trainers_staging"))
     assert trainer.nan_guard.state.skipped_steps == 1 and trainer.state.global_step == 6

@@ -8,11 +8,12 @@ import os
 
 import pytest
 import torch
-from guard_utils import checkpoint_steps, guarded_trainer, nonfinite_in_checkpoints, weights_finite
+from guard_utils import checkpoint_steps, nonfinite_in_checkpoints, weights_finite
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
+from safe_trainers.testing.build import build_trainer
 
 
 class DamageAfterTheGuard(TrainerCallback):
@@ -49,7 +50,7 @@ def saved_model_is_finite(path: str) -> bool:
 )
 def test_damage_after_the_last_check_is_restored_before_train_returns(toy_models, tmp_path, when, kind):
     # No save at the end (a save verifies afresh first: see the next test).
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=6, save_strategy="no")
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=6, save_strategy="no")
     trainer.add_callback(DamageAfterTheGuard(when))  # appended: runs after the guard's callback
     trainer.train()
     assert weights_finite(trainer) and trainer.state.global_step == 6
@@ -65,7 +66,7 @@ def test_damage_after_the_last_check_is_restored_before_train_returns(toy_models
 def test_a_save_after_a_later_callbacks_damage_sees_the_restored_state(toy_models, tmp_path):
     # Damage at `on_step_end` of step 4, after the guard verified step 4 and before checkpoint-4 is written: the save
     # verifies afresh, so the damage is rolled back (to the snapshot of step 4) instead of reaching the checkpoint.
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=6, save_steps=4)
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=6, save_steps=4)
     trainer.add_callback(DamageAfterTheGuard(4))
     trainer.train()
     assert checkpoint_steps(str(tmp_path)) == [4, 6] and not nonfinite_in_checkpoints(str(tmp_path))
@@ -75,7 +76,7 @@ def test_a_save_after_a_later_callbacks_damage_sees_the_restored_state(toy_model
 
 
 def test_the_end_check_leaves_a_healthy_run_alone(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=4, save_steps=4)
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=4, save_steps=4)
     trainer.train()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.nan_guard.finish()  # what `train()` did at its end: no event, no change
@@ -86,10 +87,18 @@ def test_the_end_check_leaves_a_healthy_run_alone(toy_models, tmp_path):
 def test_with_load_best_model_at_end_the_best_checkpoint_is_put_back(toy_models, tmp_path):
     # The run ends on the best checkpoint's weights; damage after that (at `on_train_end`) must restore those, not the
     # last step's snapshot.
-    trainer = guarded_trainer(
-        "dpo", toy_models["qwen2"], str(tmp_path), eval_rows=4, max_steps=6, save_steps=2, eval_strategy="steps",
-        eval_steps=2, load_best_model_at_end=True,
-    )  # fmt: skip
+    trainer = build_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        tmp_path,
+        preset="guarded",
+        eval_rows=4,
+        max_steps=6,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+    )
     trainer.add_callback(DamageAfterTheGuard(None))
     trainer.train()
     (event,) = [e for e in read_events(str(tmp_path)) if e["kind"] == "restore"]

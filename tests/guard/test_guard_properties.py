@@ -23,7 +23,7 @@ import os
 import shutil
 
 import pytest
-from guard_utils import TRAINERS, guarded_trainer, nonfinite_in_checkpoints, read_json, recording, weights_finite
+from guard_utils import nonfinite_in_checkpoints, read_json, recording, weights_finite
 from hypothesis import given
 from hypothesis import strategies as st_
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -31,6 +31,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import safe_trainers as st
 from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.trainers import trainer_class
 
 MAX_STEPS = 8
 faults = st_.lists(
@@ -60,12 +62,13 @@ def run(kind, model, out, schedule, settings, resume=None):
     evaluate = settings.pop("evaluate") and kind != "grpo"  # GRPO evaluation generates: too slow for this test
     if evaluate:
         settings.update(eval_strategy="steps", eval_steps=settings["save_steps"], metric_for_best_model="eval_loss")
-    trainer = guarded_trainer(
+    trainer = build_trainer(
         kind,
         model,
         out,
-        schedule,
-        trainer_cls=recording(TRAINERS[kind]),
+        preset="guarded",
+        faults=schedule,
+        trainer_cls=recording(trainer_class(kind)),
         max_steps=MAX_STEPS,
         eval_rows=4 if evaluate else 0,
         **settings,

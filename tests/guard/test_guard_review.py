@@ -6,9 +6,10 @@ import math
 import os
 
 import torch
-from guard_utils import checkpoint_steps, guarded_trainer, read_json, weights_finite
+from guard_utils import checkpoint_steps, read_json, weights_finite
 from transformers import TrainerCallback
 
+from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
 from safe_trainers.guard.policy import SpikeDetector, StepRecord, judge_window
@@ -23,7 +24,9 @@ def test_best_model_of_the_snapshot_step_survives_a_rollback(toy_models, tmp_pat
         eval_rows=4, max_steps=8, eval_strategy="steps", eval_steps=4, save_steps=4, save_total_limit=1,
         load_best_model_at_end=True, metric_for_best_model="score", greater_is_better=False, nan_snapshot_steps=4,
     )  # fmt: skip
-    trainer = guarded_trainer("reward", toy_models["qwen2-rm"], str(tmp_path), [Fault(step=5, kind="update")], **kwargs)
+    trainer = build_trainer(
+        "reward", toy_models["qwen2-rm"], tmp_path, preset="guarded", faults=[Fault(step=5, kind="update")], **kwargs
+    )
     trainer.compute_metrics = lambda prediction: {"score": next(scores)}
     trainer.train()
     assert [e["restored_step"] for e in read_events(str(tmp_path)) if e["kind"] == "rollback"] == [4]
@@ -33,7 +36,9 @@ def test_best_model_of_the_snapshot_step_survives_a_rollback(toy_models, tmp_pat
 
 def test_reference_model_sync_never_mixes_in_a_damaged_policy(toy_models, tmp_path):
     kwargs = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5, nan_snapshot_steps=2)
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=4, kind="update")], **kwargs)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(step=4, kind="update")], **kwargs
+    )
     trainer.train()
     assert [(e["step"], e["kind"]) for e in read_events(str(tmp_path))] == [(4, "rollback")]
     assert all(bool(torch.isfinite(p).all()) for p in trainer.ref_model.parameters())
@@ -56,10 +61,19 @@ class AskForSaveAndEval(TrainerCallback):
 
 
 def test_a_late_callbacks_save_and_eval_see_a_verified_state(toy_models, tmp_path):
-    trainer = guarded_trainer(
-        "dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=5, kind="update")], eval_rows=4, max_steps=8,
-        save_strategy="no", eval_strategy="steps", eval_steps=100, nan_snapshot_steps=4,
-    )  # fmt: skip
+    trainer = build_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        tmp_path,
+        preset="guarded",
+        faults=[Fault(step=5, kind="update")],
+        eval_rows=4,
+        max_steps=8,
+        save_strategy="no",
+        eval_strategy="steps",
+        eval_steps=100,
+        nan_snapshot_steps=4,
+    )
     callback = AskForSaveAndEval()
     trainer.add_callback(callback)
     trainer.train()
@@ -71,8 +85,14 @@ def test_a_late_callbacks_save_and_eval_see_a_verified_state(toy_models, tmp_pat
 
 def test_diagnosis_replay_does_not_count_in_trl_metrics(toy_models, tmp_path):
     def num_tokens(faults, out):
-        trainer = guarded_trainer(
-            "dpo", toy_models["qwen2"], str(out), faults, gradient_accumulation_steps=2, max_steps=4
+        trainer = build_trainer(
+            "dpo",
+            toy_models["qwen2"],
+            str(out),
+            preset="guarded",
+            faults=faults,
+            gradient_accumulation_steps=2,
+            max_steps=4,
         )
         trainer.train()
         return [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
@@ -83,7 +103,9 @@ def test_diagnosis_replay_does_not_count_in_trl_metrics(toy_models, tmp_path):
 
 
 def test_a_second_train_call_starts_from_the_configured_learning_rate(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=3, kind="update")], max_steps=4)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(step=3, kind="update")], max_steps=4
+    )
     trainer.train()
     assert trainer.nan_guard.state.lr_scale == 0.5
     trainer.train()  # a new run on the same trainer (no fault this time: the injector's fault has fired)
@@ -93,9 +115,9 @@ def test_a_second_train_call_starts_from_the_configured_learning_rate(toy_models
 
 def test_resume_in_the_same_directory_drops_the_abandoned_timelines_events(toy_models, tmp_path):
     faults = [Fault(step=2, kind="loss"), Fault(step=6, kind="loss")]
-    guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), faults, max_steps=8).train()
+    build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=faults, max_steps=8).train()
     assert [e["step"] for e in read_events(str(tmp_path))] == [2, 6]
-    resumed = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=8)
+    resumed = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=8)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert [e["step"] for e in read_events(str(tmp_path))] == [2]  # step 6's skip belonged to the abandoned run
     assert read_json(str(tmp_path / "checkpoint-8" / "nan_guard_state.json"))["skipped_steps"] == 1
@@ -103,9 +125,16 @@ def test_resume_in_the_same_directory_drops_the_abandoned_timelines_events(toy_m
 
 
 def test_resume_true_without_a_checkpoint_keeps_the_event_log(toy_models, tmp_path):
-    guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=1, kind="loss")], max_steps=2,
-                    save_strategy="no").train()  # fmt: skip
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=2, save_strategy="no")
+    build_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        tmp_path,
+        preset="guarded",
+        faults=[Fault(step=1, kind="loss")],
+        max_steps=2,
+        save_strategy="no",
+    ).train()
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=2, save_strategy="no")
     try:
         trainer.train(resume_from_checkpoint=True)
     except ValueError:

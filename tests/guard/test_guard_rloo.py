@@ -8,17 +8,19 @@ from __future__ import annotations
 import pytest
 from guard_utils import (
     bad_reward_at_step,
-    guarded_trainer,
     nonfinite_in_checkpoints,
     weights_finite,
 )
 
 import safe_trainers as st
 from safe_trainers.guard import read_events
+from safe_trainers.testing.build import build_trainer
 
 
 def guarded(kind, toy_models, tmp_path, faults=(), **overrides):
-    return guarded_trainer(kind, toy_models["qwen2"], str(tmp_path), list(faults), bf16=False, **overrides)
+    return build_trainer(
+        kind, toy_models["qwen2"], tmp_path, preset="guarded", faults=list(faults), bf16=False, **overrides
+    )
 
 
 @pytest.mark.parametrize(
@@ -33,7 +35,7 @@ def guarded(kind, toy_models, tmp_path, faults=(), **overrides):
 )
 def test_rloo_nonfinite_rewards(toy_models, tmp_path, value, first_only, unscorable, expect_skip):
     reward = bad_reward_at_step(4, value, first_only)
-    trainer = guarded("rloo", toy_models, tmp_path, reward_funcs=reward, max_steps=6)
+    trainer = guarded("rloo", toy_models, tmp_path, max_steps=6, trainer_kwargs={"reward_funcs": reward})
     trainer.train()
     events = read_events(str(tmp_path))
     reward_events = [e for e in events if e["kind"] == "reward"]

@@ -15,7 +15,6 @@ import torch
 import trl
 from guard_utils import (
     checkpoint_steps,
-    guarded_trainer,
     nonfinite_in_checkpoints,
     read_json,
     recording,
@@ -23,9 +22,9 @@ from guard_utils import (
 )
 
 import safe_trainers as st
-from safe_trainers.testing.quick import quick_args
 from safe_trainers.errors import NonFiniteWeightsError
-from safe_trainers.testing.faults import Fault, FaultInjector
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
 from safe_trainers.mixin import SafeTrainerMixin
 from safe_trainers.testing.toy import dataset_for
@@ -37,7 +36,9 @@ def final_lr(trainer) -> float:
 
 # ---------------------------------------------------------------- 1. runs end where they would without faults
 def test_rollback_on_the_last_step_still_ends_at_max_steps(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=10, kind="weight")])
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(step=10, kind="weight")]
+    )
     trainer.train()
     rollback = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
     assert [(e["step"], e["restored_step"]) for e in rollback] == [(10, 8)]
@@ -49,9 +50,16 @@ def test_rollback_on_the_last_step_still_ends_at_max_steps(toy_models, tmp_path)
 def test_epoch_based_run_with_rollback_ends_with_save_and_eval(toy_models, tmp_path):
     data = dataset_for("dpo", 24)
     settings = dict(max_steps=-1, num_train_epochs=1, save_strategy="epoch", eval_strategy="epoch")
-    config = st.DPOConfig(**quick_args(output_dir=str(tmp_path), nan_snapshot_steps=2, seed=0, **settings))
-    trainer = st.DPOTrainer(toy_models["qwen2"], args=config, train_dataset=data, eval_dataset=dataset_for("dpo", 4))
-    trainer.add_callback(FaultInjector([Fault(step=5, kind="weight")]))
+    trainer = build_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        tmp_path,
+        preset="guarded",
+        dataset=data,
+        faults=[Fault(step=5, kind="weight")],
+        trainer_kwargs={"eval_dataset": dataset_for("dpo", 4)},
+        **settings,
+    )
     trainer.train()
     assert [e["kind"] for e in read_events(str(tmp_path))] == ["skip", "rollback"]
     assert trainer.state.max_steps == 12 and trainer.state.global_step == 12
@@ -62,7 +70,9 @@ def test_epoch_based_run_with_rollback_ends_with_save_and_eval(toy_models, tmp_p
 
 # ---------------------------------------------------------------- 2. non-finite weights never leave the trainer
 def test_damage_by_the_last_update_is_restored_before_the_end(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=10, kind="update")])
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(step=10, kind="update")]
+    )
     trainer.train()
     events = read_events(str(tmp_path))
     assert [(e["step"], e["kind"], e["reason"]) for e in events] == [(10, "rollback", "nonfinite_state")]
@@ -72,7 +82,7 @@ def test_damage_by_the_last_update_is_restored_before_the_end(toy_models, tmp_pa
 
 
 def test_save_model_refuses_nonfinite_weights(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=2, save_strategy="no")
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=2, save_strategy="no")
     trainer.train()
     with torch.no_grad():
         next(p for p in trainer.model.parameters() if p.requires_grad).view(-1)[0] = float("nan")
@@ -87,14 +97,18 @@ def test_save_model_refuses_nonfinite_weights(toy_models, tmp_path):
 def test_resume_after_rollback_continues_the_batch_stream(toy_models, tmp_path, kind):
     faults = [Fault(step=3, kind="weight")]  # rollback at step 3, before checkpoint-4
     cls = recording(st.DPOTrainer if kind == "dpo" else st.GRPOTrainer)
-    reference = guarded_trainer(kind, toy_models["qwen2"], str(tmp_path / "ref"), faults, trainer_cls=cls, max_steps=8)
+    reference = build_trainer(
+        kind, toy_models["qwen2"], tmp_path / "ref", preset="guarded", faults=faults, trainer_cls=cls, max_steps=8
+    )
     reference.train()
     # GRPO verifies the weights before sampling step 3's completions: a rollback before any NaN loss.
     expected = ["rollback"] if kind == "grpo" else ["skip", "rollback"]
     assert [e["kind"] for e in read_events(str(tmp_path / "ref"))] == expected
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "ref" / "checkpoint-4", resumed_dir / "checkpoint-4")
-    resumed = guarded_trainer(kind, toy_models["qwen2"], str(resumed_dir), faults, trainer_cls=cls, max_steps=8)
+    resumed = build_trainer(
+        kind, toy_models["qwen2"], str(resumed_dir), preset="guarded", faults=faults, trainer_cls=cls, max_steps=8
+    )
     resumed.train(resume_from_checkpoint=str(resumed_dir / "checkpoint-4"))
     assert resumed.seen == [s for s in reference.seen if s[0] > 4]  # no batch twice, none lost
     assert resumed.state.global_step == 8 and resumed.nan_guard.state.rollbacks == 1  # counters came back
@@ -112,7 +126,9 @@ def test_best_model_paths_are_published_and_survive_resume(toy_models, tmp_path)
         max_steps=8,
     )
     faults = [Fault(step=5, kind="update")]
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), faults, eval_rows=4, **kwargs)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=faults, eval_rows=4, **kwargs
+    )
     trainer.train()
     for step in checkpoint_steps(str(tmp_path)):
         state = read_json(str(tmp_path / f"checkpoint-{step}" / "trainer_state.json"))
@@ -125,7 +141,9 @@ def test_best_model_paths_are_published_and_survive_resume(toy_models, tmp_path)
             assert state["best_metric"] == evals[int(best.rsplit("-", 1)[1])]
     assert trainer.state.best_model_checkpoint and os.path.isdir(trainer.state.best_model_checkpoint)
     # Resuming keeps the best checkpoint (transformers drops one that does not exist).
-    resumed = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), eval_rows=4, **{**kwargs, "max_steps": 10})
+    resumed = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", eval_rows=4, **{**kwargs, "max_steps": 10}
+    )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.best_model_checkpoint and os.path.isdir(resumed.state.best_model_checkpoint)
 
@@ -134,8 +152,14 @@ def test_rollback_restores_best_metric_of_the_kept_timeline(toy_models, tmp_path
     # Evaluation every step, save every 4: the rollback at step 7 goes back to step 6's snapshot; evaluations of
     # the discarded step 7 must not stay "best".
     kwargs = dict(eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss", max_steps=8)
-    trainer = guarded_trainer(
-        "dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=7, kind="update")], eval_rows=4, **kwargs
+    trainer = build_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        tmp_path,
+        preset="guarded",
+        faults=[Fault(step=7, kind="update")],
+        eval_rows=4,
+        **kwargs,
     )
     trainer.train()
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
@@ -160,7 +184,9 @@ class ScaledDPOTrainer(SafeTrainerMixin, _ScaledDPO):
 
 
 def test_loss_scaler_overflows_are_not_faults(toy_models, tmp_path):
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path / "safe"), trainer_cls=ScaledDPOTrainer)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path / "safe", preset="guarded", trainer_cls=ScaledDPOTrainer
+    )
     trainer.train()
     events = read_events(str(tmp_path / "safe"))
     overflows = [e["step"] for e in events if e["kind"] == "overflow"]
@@ -200,7 +226,9 @@ class UnitScaleDPOTrainer(ScaledDPOTrainer):
 
 def test_nonfinite_gradients_at_unit_loss_scale_are_faults(toy_models, tmp_path):
     fault = Fault(step=3, kind="grad", value=float("inf"), repeat=3)
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [fault], trainer_cls=UnitScaleDPOTrainer)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[fault], trainer_cls=UnitScaleDPOTrainer
+    )
     trainer.train()
     events = [(e["step"], e["kind"]) for e in read_events(str(tmp_path))]
     assert events == [(3, "skip"), (4, "skip"), (5, "skip"), (5, "rollback")]
@@ -209,8 +237,14 @@ def test_nonfinite_gradients_at_unit_loss_scale_are_faults(toy_models, tmp_path)
 
 # ---------------------------------------------------------------- 6. spike detection on a healthy GRPO run
 def test_spike_detection_leaves_a_healthy_grpo_run_alone(toy_models, tmp_path):
-    trainer = guarded_trainer(
-        "grpo", toy_models["qwen2"], str(tmp_path), max_steps=40, nan_spike_factor=6.0, save_strategy="no"
+    trainer = build_trainer(
+        "grpo",
+        toy_models["qwen2"],
+        tmp_path,
+        preset="guarded",
+        max_steps=40,
+        nan_spike_factor=6.0,
+        save_strategy="no",
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -221,7 +255,9 @@ def test_spike_detection_leaves_a_healthy_grpo_run_alone(toy_models, tmp_path):
 # ---------------------------------------------------------------- 7. abort: backed-off LR saved, resume works
 def test_abort_checkpoint_holds_the_backed_off_lr_and_resumes(toy_models, tmp_path):
     fault = Fault(step=3, kind="loss", repeat=3)  # steps 3-5: three skips in a row, no rollback allowed
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [fault], nan_max_rollbacks=0)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[fault], nan_max_rollbacks=0
+    )
     with pytest.raises(st.TrainingDivergedError) as error:
         trainer.train()
     checkpoint = error.value.checkpoint_dir
@@ -233,12 +269,12 @@ def test_abort_checkpoint_holds_the_backed_off_lr_and_resumes(toy_models, tmp_pa
         assert group["lr"] == pytest.approx(0.5e-3 * (1 - 5 / 10))  # linear decay after step 5
     assert read_json(os.path.join(checkpoint, "nan_guard_state.json"))["lr_scale"] == 0.5
     # Resume as the message says: continues at the backed-off rate, to the end.
-    resumed = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path))
+    resumed = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded")
     resumed.train(resume_from_checkpoint=checkpoint)
     lrs = {h["step"]: h["learning_rate"] for h in resumed.state.log_history if "learning_rate" in h}
     assert lrs[6] == pytest.approx(0.5e-3 * (1 - 5 / 10)) and resumed.state.global_step == 10
     # A lower learning rate passed at resume applies too (times the backoff).
-    again = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path / "again"), learning_rate=1e-4)
+    again = build_trainer("dpo", toy_models["qwen2"], tmp_path / "again", preset="guarded", learning_rate=1e-4)
     again.train(resume_from_checkpoint=checkpoint)
     lrs = {h["step"]: h["learning_rate"] for h in again.state.log_history if "learning_rate" in h}
     assert lrs[6] == pytest.approx(0.5e-4 * (1 - 5 / 10))
@@ -247,8 +283,14 @@ def test_abort_checkpoint_holds_the_backed_off_lr_and_resumes(toy_models, tmp_pa
 # ---------------------------------------------------------------- 8. logs never invent a value
 def test_logs_report_applied_steps_and_never_rewind(toy_models, tmp_path):
     faults = [Fault(step=4, kind="weight"), Fault(step=9, kind="loss")]
-    trainer = guarded_trainer(
-        "dpo", toy_models["qwen2"], str(tmp_path), faults, logging_steps=4, include_num_input_tokens_seen="all"
+    trainer = build_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        tmp_path,
+        preset="guarded",
+        faults=faults,
+        logging_steps=4,
+        include_num_input_tokens_seen="all",
     )
     output = trainer.train()
     history = trainer.state.log_history
@@ -265,7 +307,9 @@ def test_logs_report_applied_steps_and_never_rewind(toy_models, tmp_path):
 # ---------------------------------------------------------------- 9. diagnosis with gradient accumulation
 def test_diagnosis_finds_the_faulty_micro_batch(toy_models, tmp_path):
     fault = Fault(step=3, kind="loss", micro_batch=1)
-    trainer = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [fault], gradient_accumulation_steps=2)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[fault], gradient_accumulation_steps=2
+    )
     trainer.train()
     skip = read_events(str(tmp_path))[0]
     assert skip["kind"] == "skip" and skip["first_nonfinite_module"]["micro_batch"] == 1
@@ -274,13 +318,17 @@ def test_diagnosis_finds_the_faulty_micro_batch(toy_models, tmp_path):
 
 # ---------------------------------------------------------------- 10. one event log per run
 def test_a_new_run_starts_its_own_event_log(toy_models, tmp_path):
-    guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=3, kind="loss")], max_steps=4).train()
-    second = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), max_steps=4)
+    build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(step=3, kind="loss")], max_steps=4
+    ).train()
+    second = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=4)
     second.train()
     assert read_events(str(tmp_path)) == []
     kept = read_events_file(tmp_path / "nan_events.previous-1.jsonl")
     assert [e["kind"] for e in kept] == ["skip"]
-    resumed = guarded_trainer("dpo", toy_models["qwen2"], str(tmp_path), [Fault(step=6, kind="loss")], max_steps=8)
+    resumed = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(step=6, kind="loss")], max_steps=8
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert [e["step"] for e in read_events(str(tmp_path))] == [6]  # appended to the resumed run's (empty) log
     assert not os.path.exists(tmp_path / "nan_events.previous-2.jsonl")
@@ -295,10 +343,11 @@ def read_events_file(path):
 
 # ---------------------------------------------------------------- 11. memory held for diagnosis
 def test_guard_keeps_only_host_copies_of_the_uninspected_steps(toy_models, tmp_path):
-    trainer = guarded_trainer(
+    trainer = build_trainer(
         "dpo",
         toy_models["qwen2"],
-        str(tmp_path),
+        tmp_path,
+        preset="guarded",
         max_steps=3,
         logging_steps=100,
         nan_snapshot_steps=100,
@@ -355,11 +404,12 @@ def test_on_save_and_hub_uploads_see_published_checkpoints(toy_models, tmp_path)
             path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             saved.append((state.global_step, os.path.isfile(os.path.join(path, "trainer_state.json"))))
 
-    trainer = guarded_trainer(
+    trainer = build_trainer(
         "dpo",
         toy_models["qwen2"],
-        str(tmp_path),
-        [Fault(step=4, kind="update")],
+        tmp_path,
+        preset="guarded",
+        faults=[Fault(step=4, kind="update")],
         trainer_cls=RecordingPushDPOTrainer,
         push_to_hub=True,
         hub_strategy="all_checkpoints",
@@ -390,7 +440,9 @@ def test_grpo_rollback_discards_rollouts_of_the_discarded_policy(toy_models, tmp
     # generated at step 7 for step 8 come from a discarded policy: step 8 must generate afresh from the restored one.
     kwargs = dict(steps_per_generation=2, max_steps=8, nan_snapshot_steps=4, save_steps=7)
     faults = [Fault(step=7, kind="update")]
-    trainer = guarded_trainer("grpo", toy_models["qwen2"], str(tmp_path), faults, trainer_cls=_CountingGRPO, **kwargs)
+    trainer = build_trainer(
+        "grpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=faults, trainer_cls=_CountingGRPO, **kwargs
+    )
     trainer.train()
     assert [(e["kind"], e["restored_step"]) for e in read_events(str(tmp_path))] == [("rollback", 4)]
     assert trainer.generated_at == [1, 3, 5, 7, 8]
@@ -398,7 +450,7 @@ def test_grpo_rollback_discards_rollouts_of_the_discarded_policy(toy_models, tmp
 
 
 def test_discard_rollouts_forces_a_vllm_weight_sync(toy_models, tmp_path):
-    trainer = guarded_trainer("grpo", toy_models["qwen2"], str(tmp_path), max_steps=1)
+    trainer = build_trainer("grpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=1)
     trainer._buffered_inputs, trainer._last_loaded_step = [{"x": 1}], 5
     trainer.discard_rollouts()
     assert trainer._buffered_inputs is None and trainer._last_loaded_step == -1
@@ -407,7 +459,9 @@ def test_discard_rollouts_forces_a_vllm_weight_sync(toy_models, tmp_path):
 def test_grpo_never_samples_from_a_damaged_policy(toy_models, tmp_path):
     # A NaN weight present when a generation is due would make `torch.multinomial` crash on NaN probabilities
     # ("probability tensor contains either inf, nan or element < 0"): the state is verified before sampling.
-    trainer = guarded_trainer("grpo", toy_models["qwen2"], str(tmp_path), [Fault(step=3, kind="weight")], max_steps=5)
+    trainer = build_trainer(
+        "grpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(step=3, kind="weight")], max_steps=5
+    )
     trainer.train()
     events = read_events(str(tmp_path))
     assert [(e["kind"], e["reason"]) for e in events] == [("rollback", "nonfinite_state")]

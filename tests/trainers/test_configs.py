@@ -65,7 +65,7 @@ def fp16_settings(node, where: str = "") -> list[str]:
 
 
 def test_every_config_family_is_shipped():
-    assert {p.stem for p in ACCELERATE} == {"single_gpu", "multi_gpu", "deepspeed_zero2", "deepspeed_zero3"}
+    assert {p.stem for p in ACCELERATE} == {"single_gpu", "multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"}
     assert {p.stem for p in DEEPSPEED} == {"zero2", "zero3", "zero3_offload"}
     assert {p.stem for p in TRAINERS} == set(TRAINER_CONFIGS)
 
@@ -86,6 +86,7 @@ def test_accelerate_config(path):
         "multi_gpu": "MULTI_GPU",
         "deepspeed_zero2": "DEEPSPEED",
         "deepspeed_zero3": "DEEPSPEED",
+        "fsdp2": "FSDP",
     }[path.stem]
     assert str(config.distributed_type).split(".")[-1] == expected
     if path.stem == "single_gpu":
@@ -97,6 +98,10 @@ def test_accelerate_config(path):
         assert ds.get("gradient_clipping", "auto") == "auto"
         assert "deepspeed_config_file" not in ds
         assert ds.get("zero3_save_16bit_model", True) is True
+    if expected == "FSDP":
+        # The guard protects FSDP2 only (FSDP1 is refused): the version must be stated, not left to a default.
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
 
 
 @pytest.mark.parametrize("path", DEEPSPEED, ids=lambda p: p.name)

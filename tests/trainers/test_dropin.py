@@ -23,11 +23,11 @@ from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import safe_trainers
-from safe_trainers.testing.quick import quick_args
 from safe_trainers import SafetyArguments, SafetyError
 from safe_trainers.kinds import KINDS as KIND_ROWS
 from safe_trainers.kinds import TRAINER_KINDS
-from safe_trainers.testing.toy import count_words_reward, dataset_for
+from safe_trainers.testing.build import preset_args
+from safe_trainers.testing.toy import count_words_reward, dataset_for, rank_reward
 
 KINDS = TRAINER_KINDS
 DEFAULT_MODEL = {k.id: "qwen2-rm" if k.model_task == "seq_cls" else "qwen2" for k in KIND_ROWS.values()}
@@ -44,22 +44,14 @@ def config_classes(kind):
     return getattr(safe_trainers, name), getattr(trl, name)
 
 
-def rank_reward(completions, **kwargs) -> list[float]:
-    return [float(i % 4) for i in range(len(completions))]
-
-
 def length_reward(completions, **kwargs) -> list[float]:
     return [float(len(c)) for c in completions]
 
 
 def config_kwargs(kind, tmp_path, name="out", **overrides):
-    # `logging_nan_inf_filter=False`: the safe trainers would otherwise fix it, and these tests compare with TRL;
-    # `learning_rate=1e-5`: the highest full fine-tuning rate `optim.learning_rate` accepts without a warning
-    kwargs = quick_args(output_dir=str(tmp_path / name), logging_nan_inf_filter=False, learning_rate=1e-5)
-    if KIND_ROWS[kind].online:
-        kwargs.update(num_generations=2, max_completion_length=8)
-    kwargs.update(overrides)
-    return kwargs
+    """The `"quick"` preset's settings; the trainers are built by hand here, as the signatures are what is tested."""
+    # `logging_nan_inf_filter=False`: the safe trainers would otherwise fix it, and these tests compare with TRL
+    return preset_args(kind, tmp_path / name, logging_nan_inf_filter=False, **overrides)
 
 
 def snapshot(model):
@@ -141,11 +133,14 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "safety_disable_rules": [],
         "nan_guard": True,
         "nan_snapshot_steps": 10,
+        "nan_rollback_from": "memory",
         "nan_max_rollbacks": 3,
         "nan_max_consecutive_skips": 3,
         "nan_lr_backoff": 0.5,
         "nan_spike_factor": 0.0,
         "nan_spike_patience": 2,
+        "resume_on_restart": True,
+        "skip_step_after_crashes": 2,
     }
     assert safe_dict == plain.to_dict()
 

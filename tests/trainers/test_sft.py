@@ -14,18 +14,13 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from safe_trainers.testing.quick import quick_args
-from safe_trainers import SafetyError, SFTConfig, SFTTrainer
+from safe_trainers import SafetyError
+from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.toy import dataset_for
 from trainer_utils import actions, snapshot, train_losses  # tests/ is on sys.path, as for conftest
 
 
 LONG_PROMPT = " ".join(["one two three four five six seven eight nine ten"] * 4)  # > 16 tokens
-
-
-def build(model, tmp_path, dataset=None, n=8, **overrides):
-    args = SFTConfig(**quick_args(output_dir=str(tmp_path / "sft-out"), **overrides))
-    return SFTTrainer(model=model, args=args, train_dataset=dataset if dataset is not None else dataset_for("sft", n))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -34,7 +29,7 @@ def build(model, tmp_path, dataset=None, n=8, **overrides):
 
 
 def test_fp16_on_gemma2_becomes_bf16_and_trains(toy_models, tmp_path):
-    trainer = build(toy_models["gemma2"], tmp_path, fp16=True)
+    trainer = build_trainer("sft", toy_models["gemma2"], tmp_path, fp16=True)
     assert (trainer.args.fp16, trainer.args.bf16) == (False, True)
     (finding,) = trainer.safety_report.by_rule("precision.bf16_over_fp16")
     assert finding.action == "fixed" and "`gemma2` activations overflow" in finding.message
@@ -42,7 +37,7 @@ def test_fp16_on_gemma2_becomes_bf16_and_trains(toy_models, tmp_path):
 
 
 def test_gemma2_sdpa_becomes_eager_and_trains(toy_models, tmp_path):
-    trainer = build(toy_models["gemma2"], tmp_path, model_init_kwargs={"attn_implementation": "sdpa"})
+    trainer = build_trainer("sft", toy_models["gemma2"], tmp_path, model_init_kwargs={"attn_implementation": "sdpa"})
     assert trainer.model.config._attn_implementation == "eager"
     assert actions(trainer)["attention.gemma2_no_flash"] == "fixed"
     assert all(math.isfinite(loss) for loss in train_losses(trainer))
@@ -51,7 +46,8 @@ def test_gemma2_sdpa_becomes_eager_and_trains(toy_models, tmp_path):
 def test_gemma2_sdpa_fails_without_the_rule(toy_models, tmp_path):
     # the control: transformers refuses sdpa for Gemma-2
     with pytest.raises(ValueError, match="does not support an attention implementation"):
-        build(
+        build_trainer(
+            "sft",
             toy_models["gemma2"],
             tmp_path,
             model_init_kwargs={"attn_implementation": "sdpa"},
@@ -70,8 +66,8 @@ def _fp16_lora_model(path):
 def test_fp16_lora_adapter_upcast_to_fp32_and_trains(toy_models, tmp_path):
     # With bf16 at hand `precision.bf16_over_fp16` casts fp16 weights to bf16 first; without it (V100/T4, or the rule
     # disabled as here) the fp16 adapter is what `precision.fp32_trainable_params` fixes.
-    trainer = build(
-        _fp16_lora_model(toy_models["qwen2"]), tmp_path, safety_disable_rules=["precision.bf16_over_fp16"]
+    trainer = build_trainer(
+        "sft", _fp16_lora_model(toy_models["qwen2"]), tmp_path, safety_disable_rules=["precision.bf16_over_fp16"]
     )
     (finding,) = trainer.safety_report.by_rule("precision.fp32_trainable_params")
     assert finding.action == "fixed" and all("lora_" in name for name in finding.data["names"])
@@ -85,7 +81,8 @@ def test_fp16_lora_adapter_upcast_to_fp32_and_trains(toy_models, tmp_path):
 
 
 def test_fp16_lora_adapter_left_fp16_without_the_rule(toy_models, tmp_path):
-    trainer = build(
+    trainer = build_trainer(
+        "sft",
         _fp16_lora_model(toy_models["qwen2"]),
         tmp_path,
         safety_disable_rules=["precision.fp32_trainable_params", "precision.bf16_over_fp16"],
@@ -95,8 +92,14 @@ def test_fp16_lora_adapter_left_fp16_without_the_rule(toy_models, tmp_path):
 
 def test_fp32_lora_not_touched(toy_models, tmp_path):
     lora = LoraConfig(target_modules=["q_proj", "v_proj"], r=4, task_type="CAUSAL_LM")
-    args = SFTConfig(**quick_args(output_dir=str(tmp_path / "out"), logging_nan_inf_filter=False))
-    trainer = SFTTrainer(toy_models["qwen2"], args=args, train_dataset=dataset_for("sft", 4), peft_config=lora)
+    trainer = build_trainer(
+        "sft",
+        toy_models["qwen2"],
+        tmp_path,
+        rows=4,
+        trainer_kwargs={"peft_config": lora},
+        logging_nan_inf_filter=False,
+    )
     assert trainer.safety_report.findings == []
 
 
@@ -111,7 +114,7 @@ def _texts(good: int, empty: int) -> Dataset:
 
 def test_empty_texts_dropped_and_counted(toy_models, tmp_path):
     # An empty text becomes EOS alone: one token, whose label the causal loss never scores. TRL keeps it.
-    trainer = build(toy_models["qwen2"], tmp_path, dataset=_texts(good=5, empty=3))
+    trainer = build_trainer("sft", toy_models["qwen2"], tmp_path, dataset=_texts(good=5, empty=3))
     assert len(trainer.train_dataset) == 5
     (finding,) = trainer.safety_report.by_rule("data.no_loss_tokens")
     assert finding.action == "fixed" and "3 of 8 training examples have no token to train on" in finding.message
@@ -122,8 +125,12 @@ def test_empty_texts_dropped_and_counted(toy_models, tmp_path):
 
 def test_empty_texts_train_on_nothing_without_the_rule(toy_models, tmp_path):
     # the control (trl#6668): TRL trains on them and logs a loss of 0.0, the weights do not move
-    trainer = build(
-        toy_models["qwen2"], tmp_path, dataset=_texts(good=0, empty=4), safety_disable_rules=["data.no_loss_tokens"]
+    trainer = build_trainer(
+        "sft",
+        toy_models["qwen2"],
+        tmp_path,
+        dataset=_texts(good=0, empty=4),
+        safety_disable_rules=["data.no_loss_tokens"],
     )
     assert len(trainer.train_dataset) == 4
     before = snapshot(trainer.model)
@@ -133,7 +140,7 @@ def test_empty_texts_train_on_nothing_without_the_rule(toy_models, tmp_path):
 
 def test_only_empty_texts_refused(toy_models, tmp_path):
     with pytest.raises(SafetyError, match=r"\[data.no_loss_tokens\] all 4 training examples have no token to train"):
-        build(toy_models["qwen2"], tmp_path, dataset=_texts(good=0, empty=4))
+        build_trainer("sft", toy_models["qwen2"], tmp_path, dataset=_texts(good=0, empty=4))
 
 
 def _long_prompts(n=8, long=(0, 1, 2)) -> Dataset:
@@ -145,7 +152,7 @@ def _long_prompts(n=8, long=(0, 1, 2)) -> Dataset:
 
 def test_prompts_filling_max_length_counted(toy_models, tmp_path):
     # TRL drops these itself, silently; the report counts them
-    trainer = build(toy_models["qwen2"], tmp_path, dataset=_long_prompts(), max_length=16)
+    trainer = build_trainer("sft", toy_models["qwen2"], tmp_path, dataset=_long_prompts(), max_length=16)
     assert len(trainer.train_dataset) == 5
     (finding,) = trainer.safety_report.by_rule("data.no_loss_tokens")
     assert finding.action == "warned" and "3 of 8 training examples were dropped by TRL's preprocessing" in (
@@ -157,7 +164,7 @@ def test_prompts_filling_max_length_counted(toy_models, tmp_path):
 
 def test_all_prompts_filling_max_length_refused(toy_models, tmp_path):
     with pytest.raises(SafetyError, match=r"\[data.no_loss_tokens\] all 4 training examples were dropped"):
-        build(toy_models["qwen2"], tmp_path, dataset=_long_prompts(4, long=range(4)), max_length=16)
+        build_trainer("sft", toy_models["qwen2"], tmp_path, dataset=_long_prompts(4, long=range(4)), max_length=16)
 
 
 def _pretokenized(n=8, masked=(1, 4)) -> Dataset:
@@ -172,17 +179,24 @@ def _pretokenized(n=8, masked=(1, 4)) -> Dataset:
 def test_completion_only_masked_rows_without_max_length_dropped(toy_models, tmp_path):
     # With `max_length=None`, TRL drops nothing: these rows would reach the loss with zero tokens
     data = _pretokenized()
-    trainer = build(toy_models["qwen2"], tmp_path, dataset=data, max_length=None, completion_only_loss=True)
+    trainer = build_trainer(
+        "sft", toy_models["qwen2"], tmp_path, dataset=data, max_length=None, completion_only_loss=True
+    )
     assert len(trainer.train_dataset) == 6
     (finding,) = trainer.safety_report.by_rule("data.no_loss_tokens")
     assert finding.action == "fixed" and "2 of 8" in finding.message and "(first: row 1)" in finding.message
     assert "`completion_only_loss`" in finding.message
     assert all(math.isfinite(loss) and loss > 0 for loss in train_losses(trainer))
 
-    control = trl.SFTTrainer(
+    control = build_trainer(
+        "sft",
         toy_models["qwen2"],
-        args=trl.SFTConfig(**quick_args(output_dir=str(tmp_path / "trl"), max_length=None, completion_only_loss=True)),
-        train_dataset=data,
+        tmp_path / "trl",
+        dataset=data,
+        trainer_cls=trl.SFTTrainer,
+        config_cls=trl.SFTConfig,
+        max_length=None,
+        completion_only_loss=True,
     )
     assert len(control.train_dataset) == 8
 
@@ -205,12 +219,14 @@ def test_assistant_only_loss_truncated_turns_counted(toy_models, tmp_path):
         ]
         for i in range(6)
     ]
-    args = SFTConfig(**quick_args(output_dir=str(tmp_path / "out"), assistant_only_loss=True, max_length=16))
-    trainer = SFTTrainer(
+    trainer = build_trainer(
+        "sft",
         toy_models["qwen2"],
-        args=args,
-        train_dataset=Dataset.from_list([{"messages": m} for m in rows]),
-        processing_class=tokenizer,
+        tmp_path,
+        dataset=Dataset.from_list([{"messages": m} for m in rows]),
+        trainer_kwargs={"processing_class": tokenizer},
+        assistant_only_loss=True,
+        max_length=16,
     )
     assert len(trainer.train_dataset) == 4
     (finding,) = trainer.safety_report.by_rule("data.no_loss_tokens")

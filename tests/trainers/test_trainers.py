@@ -27,11 +27,11 @@ from safe_trainers import (
     SafetyError,
 )
 from safe_trainers.kinds import KINDS, TRAINER_KINDS
-from safe_trainers.testing.toy import dataset_for
+from safe_trainers.testing.build import build_trainer, preset_args
+from safe_trainers.testing.toy import dataset_for, rank_reward
 
 from trainer_utils import (  # tests/ is on sys.path, as for conftest
-    CONFIGS, DEFAULT_MODEL, TRAINERS, actions, build, changed, config_kwargs, rank_reward, read_report, snapshot,
-    train_losses,
+    CONFIGS, DEFAULT_MODEL, TRAINERS, actions, changed, read_report, snapshot, train_losses,
 )  # fmt: skip
 
 
@@ -42,7 +42,7 @@ from trainer_utils import (  # tests/ is on sys.path, as for conftest
 
 @pytest.mark.parametrize("kind", TRAINER_KINDS)
 def test_trainer_trains_and_changes_weights(kind, toy_models, tmp_path):
-    trainer = build(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path)
+    trainer = build_trainer(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path)
     assert isinstance(trainer, getattr(trl, type(trainer).__name__))
     before = snapshot(trainer.model)
     losses = train_losses(trainer)
@@ -60,7 +60,7 @@ def test_trainer_trains_and_changes_weights(kind, toy_models, tmp_path):
 
 
 def test_dpo_fp16_on_gemma2_becomes_bf16(toy_models, tmp_path):
-    args = DPOConfig(**config_kwargs("dpo", tmp_path, fp16=True))
+    args = DPOConfig(**preset_args("dpo", tmp_path / "out", fp16=True))
     trainer = DPOTrainer(model=toy_models["gemma2"], args=args, train_dataset=dataset_for("dpo", 8))
     assert trainer.args.bf16 is True and trainer.args.fp16 is False
     assert args.fp16 is True and args.bf16 is False  # the user's config object is untouched
@@ -76,14 +76,14 @@ def test_dpo_fp16_on_gemma2_becomes_bf16(toy_models, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the `use_cpu` fix is for machines without an accelerator")
 def test_fp16_on_cpu_without_use_cpu_sets_use_cpu(toy_models, tmp_path):
-    trainer = build("kto", toy_models["qwen2"], tmp_path, fp16=True, use_cpu=False)
+    trainer = build_trainer("kto", toy_models["qwen2"], tmp_path, fp16=True, use_cpu=False)
     assert (trainer.args.fp16, trainer.args.bf16, trainer.args.use_cpu) == (False, True, True)
     changes = {c.path: c.new for c in trainer.safety_report.changes}
     assert changes["args.use_cpu"] is True
 
 
 def test_fp16_load_dtype_becomes_bf16_and_torch_dtype_is_renamed(toy_models, tmp_path):
-    trainer = build("kto", toy_models["qwen2"], tmp_path, model_init_kwargs={"torch_dtype": "float16"})
+    trainer = build_trainer("kto", toy_models["qwen2"], tmp_path, model_init_kwargs={"torch_dtype": "float16"})
     assert trainer.args.model_init_kwargs == {"dtype": "bfloat16"}
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
     assert actions(trainer)["precision.bf16_over_fp16"] == "fixed"
@@ -91,7 +91,7 @@ def test_fp16_load_dtype_becomes_bf16_and_torch_dtype_is_renamed(toy_models, tmp
 
 @pytest.mark.parametrize("kind", TRAINER_KINDS)
 def test_precision_rule_quiet_without_fp16(kind, toy_models, tmp_path):
-    trainer = build(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, n=4)
+    trainer = build_trainer(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, rows=4)
     assert "precision.bf16_over_fp16" not in actions(trainer)
     assert "precision.fp32_trainable_params" not in actions(trainer)
     assert trainer.args.fp16 is False
@@ -104,7 +104,7 @@ def test_precision_rule_quiet_without_fp16(kind, toy_models, tmp_path):
 
 
 def test_gemma2_path_with_sdpa_trains_with_eager(toy_models, tmp_path):
-    trainer = build("dpo", toy_models["gemma2"], tmp_path, model_init_kwargs={"attn_implementation": "sdpa"})
+    trainer = build_trainer("dpo", toy_models["gemma2"], tmp_path, model_init_kwargs={"attn_implementation": "sdpa"})
     assert trainer.model.config._attn_implementation == "eager"
     assert trainer.args.model_init_kwargs == {"attn_implementation": "eager"}
     (finding,) = trainer.safety_report.by_rule("attention.gemma2_no_flash")
@@ -118,7 +118,7 @@ def test_gemma2_path_with_sdpa_trains_with_eager(toy_models, tmp_path):
 def test_gemma2_path_with_sdpa_fails_without_the_rule(toy_models, tmp_path):
     # the control: transformers refuses sdpa for Gemma-2, so the rule is what makes this configuration load
     with pytest.raises(ValueError, match="does not support an attention implementation"):
-        build(
+        build_trainer(
             "dpo",
             toy_models["gemma2"],
             tmp_path,
@@ -132,7 +132,7 @@ def test_gemma2_path_with_sdpa_fails_without_the_rule(toy_models, tmp_path):
 def test_gemma2_instance_attention_replaced(kind, current, toy_models, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(toy_models["gemma2"])
     model.config._attn_implementation = current  # flash-attn is not installed: set what a loaded model would carry
-    trainer = build(kind, model, tmp_path, n=4)
+    trainer = build_trainer(kind, model, tmp_path, rows=4)
     assert trainer.model.config._attn_implementation == "eager"
     (finding,) = trainer.safety_report.by_rule("attention.gemma2_no_flash")
     assert [(c.path, c.old, c.new) for c in finding.changes] == [("model.attn_implementation", current, "eager")]
@@ -144,7 +144,7 @@ def test_gemma2_instance_attention_replaced(kind, current, toy_models, tmp_path)
 def test_gemma2_ref_model_attention_replaced(toy_models, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(toy_models["gemma2"])
     ref.config._attn_implementation = "flash_attention_2"
-    trainer = build("dpo", toy_models["gemma2"], tmp_path, n=4, trainer_ref_model=ref)
+    trainer = build_trainer("dpo", toy_models["gemma2"], tmp_path, rows=4, trainer_kwargs={"ref_model": ref})
     assert ref.config._attn_implementation == "eager"
     (finding,) = trainer.safety_report.by_rule("attention.gemma2_no_flash")
     assert [c.path for c in finding.changes] == ["ref_model.attn_implementation"]
@@ -154,9 +154,11 @@ def test_gemma2_ref_model_attention_replaced(toy_models, tmp_path):
 def test_qwen2_sdpa_not_touched(as_instance, toy_models, tmp_path):
     if as_instance:
         model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"], attn_implementation="sdpa")
-        trainer = build("dpo", model, tmp_path, n=4)
+        trainer = build_trainer("dpo", model, tmp_path, rows=4)
     else:
-        trainer = build("dpo", toy_models["qwen2"], tmp_path, n=4, model_init_kwargs={"attn_implementation": "sdpa"})
+        trainer = build_trainer(
+            "dpo", toy_models["qwen2"], tmp_path, rows=4, model_init_kwargs={"attn_implementation": "sdpa"}
+        )
         assert trainer.args.model_init_kwargs == {"attn_implementation": "sdpa"}
     assert trainer.model.config._attn_implementation == "sdpa"
     assert "attention.gemma2_no_flash" not in actions(trainer)
@@ -170,12 +172,12 @@ def test_qwen2_sdpa_not_touched(as_instance, toy_models, tmp_path):
 @pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
 def test_reward_lora_gets_seq_cls_trainable_head_and_saves_it(task_type, toy_models, tmp_path):
     peft_config = LoraConfig(task_type=task_type, target_modules=["q_proj", "v_proj"], r=4)
-    trainer = build(
+    trainer = build_trainer(
         "reward",
         toy_models["qwen2-rm"],
         tmp_path,
         model_init_kwargs={"dtype": "float16"},
-        trainer_peft_config=peft_config,
+        trainer_kwargs={"peft_config": peft_config},
     )
     assert trainer.model.peft_config["default"].task_type == "SEQ_CLS"
     assert peft_config.task_type == task_type  # the user's PEFT config is untouched
@@ -204,13 +206,13 @@ def test_reward_lora_gets_seq_cls_trainable_head_and_saves_it(task_type, toy_mod
 
 def test_reward_lora_head_stays_frozen_without_the_rule(toy_models, tmp_path):
     # the control: TRL alone leaves the random score head frozen with `task_type=None`
-    trainer = build(
+    trainer = build_trainer(
         "reward",
         toy_models["qwen2-rm"],
         tmp_path,
-        n=4,
+        rows=4,
         safety_disable_rules=["peft.reward_seq_cls_lora"],
-        trainer_peft_config=LoraConfig(task_type=None, target_modules=["q_proj", "v_proj"], r=4),
+        trainer_kwargs={"peft_config": LoraConfig(task_type=None, target_modules=["q_proj", "v_proj"], r=4)},
     )
     head = {name: p.requires_grad for name, p in trainer.model.named_parameters() if "score" in name}
     assert head and not any(head.values())
@@ -218,12 +220,12 @@ def test_reward_lora_head_stays_frozen_without_the_rule(toy_models, tmp_path):
 
 
 def test_reward_lora_seq_cls_fp32_not_touched(toy_models, tmp_path):
-    trainer = build(
+    trainer = build_trainer(
         "reward",
         toy_models["qwen2-rm"],
         tmp_path,
-        n=4,
-        trainer_peft_config=LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"], r=4),
+        rows=4,
+        trainer_kwargs={"peft_config": LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"], r=4)},
     )
     assert "peft.reward_seq_cls_lora" not in actions(trainer)
 
@@ -231,12 +233,12 @@ def test_reward_lora_seq_cls_fp32_not_touched(toy_models, tmp_path):
 def test_reward_lora_fp16_instance_head_upcast(toy_models, tmp_path):
     # with the precision rule off the fp16 weights stay; the reward rule still upcasts the trainable head
     model = AutoModelForSequenceClassification.from_pretrained(toy_models["qwen2-rm"], dtype=torch.float16)
-    trainer = build(
+    trainer = build_trainer(
         "reward",
         model,
         tmp_path,
         safety_disable_rules=["precision.bf16_over_fp16"],
-        trainer_peft_config=LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"], r=4),
+        trainer_kwargs={"peft_config": LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"], r=4)},
     )
     (finding,) = trainer.safety_report.by_rule("peft.reward_seq_cls_lora")
     assert finding.action == "fixed" and "upcast to fp32" in finding.message
@@ -252,7 +254,7 @@ def test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head(toy_mo
     model = AutoModelForSequenceClassification.from_pretrained(toy_models["qwen2-rm"])
     base_names = {f"base_model.model.{n}" for n, _ in model.named_parameters()}
     model = get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
-    trainer = build("reward", model, tmp_path, n=4)
+    trainer = build_trainer("reward", model, tmp_path, rows=4)
     (finding,) = trainer.safety_report.by_rule("peft.reward_seq_cls_lora")
     assert finding.action == "fixed" and "`score`" in finding.message
     assert [(c.path, c.old, c.new) for c in finding.changes] == [("model.peft_config.modules_to_save", None, ["score"])]
@@ -272,7 +274,7 @@ def test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head(toy_mo
 def test_full_finetune_fp16_instance_is_upcast(toy_models, tmp_path):
     # with `precision.bf16_over_fp16` off the fp16 weights stay, and this rule upcasts the trainable ones
     model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"], dtype=torch.float16)
-    trainer = build("dpo", model, tmp_path, safety_disable_rules=["precision.bf16_over_fp16"])
+    trainer = build_trainer("dpo", model, tmp_path, safety_disable_rules=["precision.bf16_over_fp16"])
     (finding,) = trainer.safety_report.by_rule("precision.fp32_trainable_params")
     assert finding.action == "fixed"
     assert len(finding.data["names"]) == len(list(trainer.model.parameters()))
@@ -287,7 +289,7 @@ def test_full_finetune_fp16_instance_is_upcast(toy_models, tmp_path):
 
 @pytest.mark.parametrize("kind", TRAINER_KINDS)
 def test_grad_clip_and_nonfinite_logging_fixed(kind, toy_models, tmp_path):
-    trainer = build(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, n=4, max_grad_norm=0.0)
+    trainer = build_trainer(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, rows=4, max_grad_norm=0.0)
     assert trainer.args.max_grad_norm == 1.0
     assert trainer.args.logging_nan_inf_filter is False
     assert actions(trainer)["optim.grad_clip"] == "fixed"
@@ -296,13 +298,8 @@ def test_grad_clip_and_nonfinite_logging_fixed(kind, toy_models, tmp_path):
 
 @pytest.mark.parametrize("kind", ["reward", "grpo"])
 def test_grad_clip_and_nonfinite_logging_quiet_when_set(kind, toy_models, tmp_path):
-    trainer = build(
-        kind,
-        toy_models[DEFAULT_MODEL[kind]],
-        tmp_path,
-        n=4,
-        max_grad_norm=0.5,
-        logging_nan_inf_filter=False,
+    trainer = build_trainer(
+        kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, rows=4, max_grad_norm=0.5, logging_nan_inf_filter=False
     )
     assert trainer.args.max_grad_norm == 0.5
     assert trainer.safety_report.findings == []
@@ -310,7 +307,7 @@ def test_grad_clip_and_nonfinite_logging_quiet_when_set(kind, toy_models, tmp_pa
 
 
 def test_grad_clip_fix_takes_effect_in_training(toy_models, tmp_path):
-    trainer = build("reward", toy_models["qwen2-rm"], tmp_path, max_grad_norm=0.0, learning_rate=1e-6)
+    trainer = build_trainer("reward", toy_models["qwen2-rm"], tmp_path, max_grad_norm=0.0, learning_rate=1e-6)
     trainer.create_optimizer()
     inner = trainer.optimizer
     original_step = inner.step
@@ -345,7 +342,7 @@ def config_only_model(toy_models, tmp_path):
 
 def test_config_only_model_cannot_be_loaded(config_only_model, tmp_path):
     # the control for the two tests below: TRL itself fails on this directory when loading weights
-    args = trl.GRPOConfig(**config_kwargs("grpo", tmp_path, per_device_train_batch_size=4))
+    args = trl.GRPOConfig(**preset_args("grpo", tmp_path / "out", per_device_train_batch_size=4))
     with pytest.raises(OSError):
         trl.GRPOTrainer(
             model=config_only_model, reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4)
@@ -353,7 +350,7 @@ def test_config_only_model_cannot_be_loaded(config_only_model, tmp_path):
 
 
 def test_grpo_group_not_dividing_batch_refused_before_loading(config_only_model, tmp_path):
-    args = GRPOConfig(**config_kwargs("grpo", tmp_path, per_device_train_batch_size=4, num_generations=2))
+    args = GRPOConfig(**preset_args("grpo", tmp_path / "out", per_device_train_batch_size=4, num_generations=2))
     args.num_generations = 3  # mutated after the config validated itself
     with pytest.raises(
         SafetyError, match=r"\[grpo.group_size\] `generation_batch_size=4`.*`num_generations=3`"
@@ -364,7 +361,7 @@ def test_grpo_group_not_dividing_batch_refused_before_loading(config_only_model,
 
 
 def test_grpo_zero_temperature_refused_before_loading(config_only_model, tmp_path):
-    args = GRPOConfig(**config_kwargs("grpo", tmp_path, per_device_train_batch_size=4))
+    args = GRPOConfig(**preset_args("grpo", tmp_path / "out", per_device_train_batch_size=4))
     args.temperature = 0.0
     with pytest.raises(SafetyError, match=r"\[grpo.group_size\] `temperature=0.0`"):
         GRPOTrainer(model=config_only_model, reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4))
@@ -372,14 +369,16 @@ def test_grpo_zero_temperature_refused_before_loading(config_only_model, tmp_pat
 
 def test_grpo_config_refuses_bad_groups_up_front(tmp_path):
     with pytest.raises(SafetyError, match="`num_generations=1`"):
-        GRPOConfig(**config_kwargs("grpo", tmp_path, num_generations=1))
+        GRPOConfig(**preset_args("grpo", tmp_path / "out", num_generations=1))
     with pytest.raises(SafetyError, match="`temperature=0`"):
-        GRPOConfig(**config_kwargs("grpo", tmp_path, temperature=0))
+        GRPOConfig(**preset_args("grpo", tmp_path / "out", temperature=0))
 
 
 def test_grpo_group_rule_disabled_is_left_to_trl(toy_models, tmp_path):
     args = GRPOConfig(
-        **config_kwargs("grpo", tmp_path, per_device_train_batch_size=4, safety_disable_rules=["grpo.group_size"])
+        **preset_args(
+            "grpo", tmp_path / "out", per_device_train_batch_size=4, safety_disable_rules=["grpo.group_size"]
+        )
     )
     args.temperature = 0.0
     trainer = GRPOTrainer(
@@ -396,21 +395,21 @@ def test_grpo_group_rule_disabled_is_left_to_trl(toy_models, tmp_path):
 
 def test_kto_batch_of_one_refused(toy_models, tmp_path):
     with pytest.raises(SafetyError, match=r"\[kto.batch_and_labels\] `per_device_train_batch_size=1`"):
-        build("kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1)
+        build_trainer("kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1)
 
 
 @pytest.mark.parametrize("label", [True, False])
 def test_kto_single_label_dataset_trains(label, toy_models, tmp_path):
     # only desirable (or only undesirable) examples: TRL skips the empty side and averages with `nanmean`
     data = dataset_for("kto", 8).map(lambda row: {"label": label})
-    trainer = build("kto", toy_models["qwen2"], tmp_path, dataset=data, learning_rate=1e-6)
+    trainer = build_trainer("kto", toy_models["qwen2"], tmp_path, dataset=data, learning_rate=1e-6)
     assert "kto.batch_and_labels" not in actions(trainer)
     assert all(math.isfinite(loss) for loss in train_losses(trainer))
 
 
 def test_kto_apo_zero_unpaired_batch_of_one_trains(toy_models, tmp_path):
     # no KL term, so nothing needs two examples per micro-batch
-    trainer = build(
+    trainer = build_trainer(
         "kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1, loss_type="apo_zero_unpaired"
     )
     assert "kto.batch_and_labels" not in actions(trainer)
@@ -419,21 +418,21 @@ def test_kto_apo_zero_unpaired_batch_of_one_trains(toy_models, tmp_path):
 
 def test_kto_batch_and_beta_reported_together(toy_models, tmp_path):
     with pytest.raises(SafetyError, match=r"\(2 problems\)") as exc:
-        build("kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1, beta=math.inf)
+        build_trainer("kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1, beta=math.inf)
     assert [f.rule_id for f in exc.value.findings] == ["kto.batch_and_labels", "dpo.beta_positive"]
     assert "`per_device_train_batch_size=1`" in str(exc.value) and "`beta=inf`" in str(exc.value)
 
 
 def test_dpo_beta_zero_with_ipo_refused(toy_models, tmp_path):
     with pytest.raises(SafetyError, match=r"\[dpo.beta_positive\] `beta=0.0` with `loss_type='ipo'`"):
-        build("dpo", toy_models["qwen2"], tmp_path, beta=0.0, loss_type="ipo")
+        build_trainer("dpo", toy_models["qwen2"], tmp_path, beta=0.0, loss_type="ipo")
 
 
 def test_dpo_beta_zero_with_ipo_crashes_in_trl(toy_models, tmp_path):
     # the control for the refusal above: TRL itself fails with a division by zero on the first step
     trainer = trl.DPOTrainer(
         model=toy_models["qwen2"],
-        args=trl.DPOConfig(**config_kwargs("dpo", tmp_path, beta=0.0, loss_type="ipo")),
+        args=trl.DPOConfig(**preset_args("dpo", tmp_path / "out", beta=0.0, loss_type="ipo")),
         train_dataset=dataset_for("dpo", 4),
     )
     with pytest.raises(ZeroDivisionError):
@@ -442,7 +441,7 @@ def test_dpo_beta_zero_with_ipo_crashes_in_trl(toy_models, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dpo", "kto"])
 def test_beta_zero_warned_and_trains(kind, toy_models, tmp_path):
-    trainer = build(kind, toy_models["qwen2"], tmp_path, beta=0.0)
+    trainer = build_trainer(kind, toy_models["qwen2"], tmp_path, beta=0.0)
     assert actions(trainer)["dpo.beta_positive"] == "warned"
     assert trainer.args.beta == 0.0
     assert all(math.isfinite(loss) for loss in train_losses(trainer))
@@ -453,7 +452,7 @@ def test_beta_zero_accepted_by_trl(kind, toy_models, tmp_path):
     # the control: TRL itself builds a trainer with beta=0 (no gradient from the preference loss)
     trl_config = {"dpo": trl.DPOConfig, "kto": trl.KTOConfig}[kind]
     trl_trainer = {"dpo": trl.DPOTrainer, "kto": trl.KTOTrainer}[kind]
-    args = trl_config(**config_kwargs(kind, tmp_path, beta=0.0))
+    args = trl_config(**preset_args(kind, tmp_path / "out", beta=0.0))
     trainer = trl_trainer(model=toy_models["qwen2"], args=args, train_dataset=dataset_for(kind, 4))
     assert trainer.args.beta == 0.0
 
@@ -474,7 +473,7 @@ def _pretokenized_reward_rows(n=8, empty_chosen=(), empty_rejected=()):
 
 def test_reward_rows_without_tokens_dropped_and_counted(toy_models, tmp_path):
     data = _pretokenized_reward_rows(8, empty_chosen=(1, 4), empty_rejected=(6,))
-    trainer = build("reward", toy_models["qwen2-rm"], tmp_path, dataset=data)
+    trainer = build_trainer("reward", toy_models["qwen2-rm"], tmp_path, dataset=data)
     assert len(trainer.train_dataset) == 5
     assert all(len(row["chosen_ids"]) and len(row["rejected_ids"]) for row in trainer.train_dataset)
     (finding,) = trainer.safety_report.by_rule("data.no_loss_tokens")
@@ -488,7 +487,7 @@ def test_reward_rows_without_tokens_dropped_and_counted(toy_models, tmp_path):
 def test_reward_all_rows_without_tokens_refused(toy_models, tmp_path):
     data = _pretokenized_reward_rows(4, empty_chosen=(0, 1, 2, 3))
     with pytest.raises(SafetyError, match=r"\[data.no_loss_tokens\] all 4 training examples have no completion token"):
-        build("reward", toy_models["qwen2-rm"], tmp_path, dataset=data)
+        build_trainer("reward", toy_models["qwen2-rm"], tmp_path, dataset=data)
 
 
 def _dpo_with_long_prompts(n=8, long=(0, 1, 2)):
@@ -499,14 +498,14 @@ def _dpo_with_long_prompts(n=8, long=(0, 1, 2)):
 
 
 def test_dpo_prompts_filling_max_length_rows_dropped_and_training_runs(toy_models, tmp_path):
-    trainer = build("dpo", toy_models["qwen2"], tmp_path, dataset=_dpo_with_long_prompts(), max_length=16)
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, dataset=_dpo_with_long_prompts(), max_length=16)
     assert len(trainer.train_dataset) == 5
     assert all(len(row["prompt_ids"]) < 16 for row in trainer.train_dataset)
     assert all(math.isfinite(loss) for loss in train_losses(trainer))
 
 
 def test_dpo_prompts_filling_max_length_counted_in_report(toy_models, tmp_path):
-    trainer = build("dpo", toy_models["qwen2"], tmp_path, dataset=_dpo_with_long_prompts(), max_length=16)
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, dataset=_dpo_with_long_prompts(), max_length=16)
     assert len(trainer.train_dataset) == 5  # three rows were dropped ...
     findings = trainer.safety_report.by_rule("data.no_loss_tokens")
     assert findings, "... but the report does not say so"
@@ -516,11 +515,11 @@ def test_dpo_prompts_filling_max_length_counted_in_report(toy_models, tmp_path):
 def test_dpo_all_prompts_filling_max_length_refused(toy_models, tmp_path):
     data = _dpo_with_long_prompts(4, long=(0, 1, 2, 3))
     with pytest.raises(SafetyError, match=r"\[data.no_loss_tokens\] all 4 training examples"):
-        build("dpo", toy_models["qwen2"], tmp_path, dataset=data, max_length=16)
+        build_trainer("dpo", toy_models["qwen2"], tmp_path, dataset=data, max_length=16)
 
 
 def test_dpo_keep_end_keeps_long_prompts(toy_models, tmp_path):
-    trainer = build(
+    trainer = build_trainer(
         "dpo",
         toy_models["qwen2"],
         tmp_path,
@@ -538,8 +537,13 @@ def test_dpo_keep_end_keeps_long_prompts(toy_models, tmp_path):
 
 
 def _unsafe_gemma_config(tmp_path, **overrides):
-    return config_kwargs(
-        "dpo", tmp_path, fp16=True, max_grad_norm=0.0, model_init_kwargs={"attn_implementation": "sdpa"}, **overrides
+    return preset_args(
+        "dpo",
+        tmp_path / "out",
+        fp16=True,
+        max_grad_norm=0.0,
+        model_init_kwargs={"attn_implementation": "sdpa"},
+        **overrides,
     )
 
 
@@ -556,8 +560,8 @@ def test_strict_mode_raises_one_error_with_every_finding(toy_models, tmp_path):
 
 
 def test_strict_mode_passes_a_safe_config(toy_models, tmp_path):
-    trainer = build(
-        "dpo", toy_models["qwen2"], tmp_path, n=4, safety_mode="strict", logging_nan_inf_filter=False
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, rows=4, safety_mode="strict", logging_nan_inf_filter=False
     )
     assert trainer.safety_report.findings == [] and trainer.safety_report.mode == "strict"
 
@@ -583,7 +587,7 @@ def test_fix_mode_applies_everything_and_writes_the_report(toy_models, tmp_path)
 
 
 def test_warn_mode_changes_nothing(toy_models, tmp_path):
-    args = DPOConfig(**config_kwargs("dpo", tmp_path, fp16=True, max_grad_norm=0.0, safety_mode="warn"))
+    args = DPOConfig(**preset_args("dpo", tmp_path / "out", fp16=True, max_grad_norm=0.0, safety_mode="warn"))
     trainer = DPOTrainer(model=toy_models["gemma2"], args=args, train_dataset=dataset_for("dpo", 4))
     a = trainer.args
     assert a is args
@@ -599,11 +603,11 @@ def test_warn_mode_changes_nothing(toy_models, tmp_path):
 
 def test_warn_mode_still_refuses_blocked_findings(toy_models, tmp_path):
     with pytest.raises(SafetyError, match=r"\[dpo.beta_positive\]"):
-        build("dpo", toy_models["qwen2"], tmp_path, beta=0.0, loss_type="ipo", safety_mode="warn")
+        build_trainer("dpo", toy_models["qwen2"], tmp_path, beta=0.0, loss_type="ipo", safety_mode="warn")
 
 
 def test_off_mode_runs_no_rule(toy_models, tmp_path):
-    trainer = build("kto", toy_models["qwen2"], tmp_path, n=4, max_grad_norm=0.0, safety_mode="off")
+    trainer = build_trainer("kto", toy_models["qwen2"], tmp_path, rows=4, max_grad_norm=0.0, safety_mode="off")
     assert trainer.args.max_grad_norm == 0.0 and trainer.args.logging_nan_inf_filter is True
     assert trainer.safety_report.findings == []
     assert read_report(trainer) == {"trainer": "kto", "mode": "off", "findings": []}
@@ -611,16 +615,16 @@ def test_off_mode_runs_no_rule(toy_models, tmp_path):
 
 
 def test_off_mode_lets_trl_see_blocked_settings(toy_models, tmp_path):
-    trainer = build("dpo", toy_models["qwen2"], tmp_path, n=4, beta=0.0, safety_mode="off")
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, rows=4, beta=0.0, safety_mode="off")
     assert trainer.args.beta == 0.0
 
 
 def test_disabled_rules_left_alone(toy_models, tmp_path):
-    trainer = build(
+    trainer = build_trainer(
         "dpo",
         toy_models["gemma2"],
         tmp_path,
-        n=4,
+        rows=4,
         fp16=True,
         max_grad_norm=0.0,
         safety_disable_rules=["optim.grad_clip", "precision.bf16_over_fp16"],
@@ -637,7 +641,7 @@ def test_disabled_rules_left_alone(toy_models, tmp_path):
 
 
 def test_plain_trl_config_gets_default_safety(toy_models, tmp_path):
-    args = trl.DPOConfig(**config_kwargs("dpo", tmp_path, max_grad_norm=0.0))
+    args = trl.DPOConfig(**preset_args("dpo", tmp_path / "out", max_grad_norm=0.0))
     trainer = DPOTrainer(model=toy_models["qwen2"], args=args, train_dataset=dataset_for("dpo", 8))
     assert type(trainer.args) is trl.DPOConfig
     assert trainer.args.max_grad_norm == 1.0 and args.max_grad_norm == 0.0
@@ -648,7 +652,7 @@ def test_plain_trl_config_gets_default_safety(toy_models, tmp_path):
 
 
 def test_plain_trl_grpo_config_is_checked(config_only_model, tmp_path):
-    args = trl.GRPOConfig(**config_kwargs("grpo", tmp_path, per_device_train_batch_size=4))
+    args = trl.GRPOConfig(**preset_args("grpo", tmp_path / "out", per_device_train_batch_size=4))
     args.num_generations = 1
     with pytest.raises(SafetyError, match="`num_generations=1`"):
         GRPOTrainer(model=config_only_model, reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4))
@@ -657,7 +661,7 @@ def test_plain_trl_grpo_config_is_checked(config_only_model, tmp_path):
 def test_plain_trl_grpo_config_checked_when_no_other_fix_applies(config_only_model, tmp_path):
     # the same mutated config as above, but with nothing for an earlier rule to fix: grpo.group_size speaks
     args = trl.GRPOConfig(
-        **config_kwargs("grpo", tmp_path, per_device_train_batch_size=4, logging_nan_inf_filter=False)
+        **preset_args("grpo", tmp_path / "out", per_device_train_batch_size=4, logging_nan_inf_filter=False)
     )
     args.num_generations = 1
     with pytest.raises(SafetyError, match="`num_generations=1`"):

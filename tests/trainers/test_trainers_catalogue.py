@@ -9,9 +9,10 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from safe_trainers.testing.toy import build_model, build_tokenizer, save_toy_model
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.toy import build_model, build_tokenizer, rank_reward, save_toy_model
 
-from trainer_utils import actions, build, rank_reward, train_losses  # tests/ is on sys.path, as for conftest
+from trainer_utils import actions, train_losses  # tests/ is on sys.path, as for conftest
 
 
 def save_model(path: str, family: str = "qwen2", task: str = "causal_lm", tokenizer=None, zero_rows=(), **config) -> str:
@@ -53,7 +54,7 @@ def test_reward_model_padded_with_eos_gets_a_distinct_pad_token(pad, tmp_path):
     tok = build_tokenizer()
     tok.pad_token = pad
     path = save_model(str(tmp_path / "rm"), task="seq_cls", tokenizer=tok)
-    trainer = build("reward", path, tmp_path, n=4)
+    trainer = build_trainer("reward", path, tmp_path, rows=4)
     (finding,) = trainer.safety_report.by_rule("tokens.reward_pad_token")
     assert finding.action == "fixed" and trainer.args.pad_token == "<unk>"
     assert trainer.processing_class.pad_token == "<unk>" != trainer.processing_class.eos_token
@@ -68,12 +69,12 @@ def test_reward_model_padded_with_eos_reads_one_token_early_without_the_rule(tmp
     tok = build_tokenizer()
     tok.pad_token = "<eos>"
     path = save_model(str(tmp_path / "rm"), task="seq_cls", tokenizer=tok)
-    trainer = build("reward", path, tmp_path, n=4, safety_disable_rules=["tokens.reward_pad_token"])
+    trainer = build_trainer("reward", path, tmp_path, rows=4, safety_disable_rules=["tokens.reward_pad_token"])
     assert [p + 1 for p in last_non_pad_positions(trainer)] == eos_positions(trainer)
 
 
 def test_reward_model_with_its_own_pad_token_untouched(toy_models, tmp_path):
-    trainer = build("reward", toy_models["qwen2-rm"], tmp_path, n=4)
+    trainer = build_trainer("reward", toy_models["qwen2-rm"], tmp_path, rows=4)
     assert "tokens.reward_pad_token" not in actions(trainer) and trainer.args.pad_token is None
     assert last_non_pad_positions(trainer) == eos_positions(trainer)
 
@@ -90,7 +91,7 @@ def zero_eos_model(tmp_path_factory) -> str:
 
 
 def test_untrained_eos_embedding_set_to_the_mean(zero_eos_model, tmp_path):
-    trainer = build("dpo", zero_eos_model, tmp_path)
+    trainer = build_trainer("dpo", zero_eos_model, tmp_path)
     (finding,) = trainer.safety_report.by_rule("tokens.untrained_embeddings")
     assert finding.action == "fixed" and "`<eos>` (1)" in finding.message
     for model in (trainer.model, trainer.ref_model):
@@ -103,13 +104,13 @@ def test_untrained_eos_embedding_set_to_the_mean(zero_eos_model, tmp_path):
 
 def test_untrained_eos_embedding_with_lora_warned(zero_eos_model, tmp_path):
     lora = LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"], r=4)
-    trainer = build("dpo", zero_eos_model, tmp_path, n=4, trainer_peft_config=lora)
+    trainer = build_trainer("dpo", zero_eos_model, tmp_path, rows=4, trainer_kwargs={"peft_config": lora})
     assert actions(trainer)["tokens.untrained_embeddings"] == "warned"
     assert trainer.model.get_input_embeddings().weight[1].abs().sum() == 0  # left alone
 
 
 def test_trained_embeddings_untouched(toy_models, tmp_path):
-    trainer = build("dpo", toy_models["qwen2"], tmp_path, n=4)
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, rows=4)
     assert "tokens.untrained_embeddings" not in actions(trainer)
 
 
@@ -131,7 +132,9 @@ def sampled_ids(trainer_kwargs, path, tmp_path) -> list[int]:
         seen.extend(i for ids in completion_ids for i in ids)
         return rank_reward(completions)
 
-    trainer = build("grpo", path, tmp_path, trainer_reward_funcs=record, max_steps=2, **trainer_kwargs)
+    trainer = build_trainer(
+        "grpo", path, tmp_path, max_steps=2, **trainer_kwargs, trainer_kwargs={"reward_funcs": record}
+    )
     trainer.train()
     return trainer, seen
 
@@ -150,5 +153,5 @@ def test_grpo_padded_vocabulary_samples_undecodable_ids_without_the_rule(padded_
 
 
 def test_grpo_vocabulary_matching_the_tokenizer_untouched(toy_models, tmp_path):
-    trainer = build("grpo", toy_models["qwen2"], tmp_path, n=4)
+    trainer = build_trainer("grpo", toy_models["qwen2"], tmp_path, rows=4)
     assert "grpo.vocab_size" not in actions(trainer) and trainer.args.generation_kwargs is None

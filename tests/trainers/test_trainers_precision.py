@@ -10,9 +10,10 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
+from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.toy import build_model, build_tokenizer
 
-from trainer_utils import actions, build, train_losses  # tests/ is on sys.path, as for conftest
+from trainer_utils import actions, train_losses  # tests/ is on sys.path, as for conftest
 
 
 def dtypes(model) -> set[torch.dtype]:
@@ -35,7 +36,7 @@ def gemma2_rm_fp16(tmp_path_factory) -> str:
 
 def test_accelerate_fp16_is_switched_to_bf16(toy_models, tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    trainer = build("dpo", toy_models["gemma2"], tmp_path, bf16=False)
+    trainer = build_trainer("dpo", toy_models["gemma2"], tmp_path, bf16=False)
     (finding,) = trainer.safety_report.by_rule("precision.bf16_over_fp16")
     assert finding.action == "fixed" and "accelerate's `mixed_precision='fp16'`" in finding.message
     assert trainer.accelerator.mixed_precision == "bf16"  # what the trainer actually trains in
@@ -45,7 +46,9 @@ def test_accelerate_fp16_is_switched_to_bf16(toy_models, tmp_path, monkeypatch):
 def test_accelerate_fp16_trains_in_fp16_without_the_rule(toy_models, tmp_path, monkeypatch):
     # the control: with the rule off the trainer trains in fp16 although `fp16=False`
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    trainer = build("dpo", toy_models["gemma2"], tmp_path, bf16=False, safety_disable_rules=["precision.bf16_over_fp16"])
+    trainer = build_trainer(
+        "dpo", toy_models["gemma2"], tmp_path, bf16=False, safety_disable_rules=["precision.bf16_over_fp16"]
+    )
     assert (trainer.args.fp16, trainer.accelerator.mixed_precision) == (False, "fp16")
 
 
@@ -57,7 +60,7 @@ def test_accelerate_fp16_trains_in_fp16_without_the_rule(toy_models, tmp_path, m
 def test_fp16_instance_with_lora_has_no_fp16_base(toy_models, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(toy_models["gemma2"], dtype=torch.float16)
     lora = LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"], r=4)
-    trainer = build("dpo", model, tmp_path, trainer_peft_config=lora, learning_rate=1e-5)
+    trainer = build_trainer("dpo", model, tmp_path, learning_rate=1e-5, trainer_kwargs={"peft_config": lora})
     (finding,) = trainer.safety_report.by_rule("precision.bf16_over_fp16")
     assert finding.action == "fixed" and "the model passed in has fp16 weights" in finding.message
     assert torch.float16 not in dtypes(trainer.model)  # the frozen base was fp16 and stayed fp16
@@ -67,7 +70,7 @@ def test_fp16_instance_with_lora_has_no_fp16_base(toy_models, tmp_path):
 
 def test_fp16_instance_full_finetune_reference_model_is_not_fp16(toy_models, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(toy_models["gemma2"], dtype=torch.float16)
-    trainer = build("dpo", model, tmp_path, learning_rate=1e-6)
+    trainer = build_trainer("dpo", model, tmp_path, learning_rate=1e-6)
     assert actions(trainer)["precision.bf16_over_fp16"] == "fixed"
     # TRL builds the reference model from the policy's dtype at construction, before any later upcast
     assert trainer.ref_model is not None and dtypes(trainer.ref_model) == {torch.bfloat16}
@@ -82,8 +85,12 @@ def test_fp16_instance_full_finetune_reference_model_is_not_fp16(toy_models, tmp
 
 def test_reward_lora_fp16_checkpoint_is_not_reloaded_in_fp16(gemma2_rm_fp16, tmp_path):
     lora = LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"], r=4)
-    trainer = build(
-        "reward", gemma2_rm_fp16, tmp_path, model_init_kwargs={"dtype": "float16"}, trainer_peft_config=lora
+    trainer = build_trainer(
+        "reward",
+        gemma2_rm_fp16,
+        tmp_path,
+        model_init_kwargs={"dtype": "float16"},
+        trainer_kwargs={"peft_config": lora},
     )
     (finding,) = trainer.safety_report.by_rule("precision.bf16_over_fp16")
     assert finding.action == "fixed" and "`gemma2` activations overflow" in finding.message
@@ -95,8 +102,13 @@ def test_reward_lora_fp16_checkpoint_is_not_reloaded_in_fp16(gemma2_rm_fp16, tmp
 def test_reward_lora_fp32_checkpoint_still_loads_auto(toy_models, tmp_path):
     # the not-firing side: an fp32 checkpoint, where `dtype="auto"` loads fp32
     lora = LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"], r=4)
-    trainer = build(
-        "reward", toy_models["gemma2-rm"], tmp_path, n=4, model_init_kwargs={"dtype": "float16"}, trainer_peft_config=lora
+    trainer = build_trainer(
+        "reward",
+        toy_models["gemma2-rm"],
+        tmp_path,
+        rows=4,
+        model_init_kwargs={"dtype": "float16"},
+        trainer_kwargs={"peft_config": lora},
     )
     assert trainer.args.model_init_kwargs == {"dtype": "auto"}
     assert "precision.bf16_over_fp16" not in actions(trainer)

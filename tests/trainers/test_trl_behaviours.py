@@ -22,11 +22,11 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from safe_trainers.testing.quick import quick_args
 from safe_trainers.configs import config_class
 from safe_trainers.kinds import KINDS
 from safe_trainers.trainers import trainer_class
-from safe_trainers.testing.toy import dataset_for
+from safe_trainers.testing.build import preset_args
+from safe_trainers.testing.toy import dataset_for, rank_reward
 
 
 IMPLS = ["trl", "safe"]
@@ -38,10 +38,8 @@ def classes(kind: str, impl: str) -> tuple[type, type]:
 
 
 def config(kind, impl, tmp_path, **overrides):
-    kwargs = quick_args(output_dir=str(tmp_path / impl), bf16=False, logging_nan_inf_filter=False)
-    if KINDS[kind].online:
-        kwargs.update(num_generations=2, max_completion_length=8)
-    kwargs.update(overrides)
+    """The `"quick"` preset's config for `impl` (the trainers are built by hand: the same call must suit both)."""
+    kwargs = preset_args(kind, tmp_path / impl, bf16=False, logging_nan_inf_filter=False, **overrides)
     return classes(kind, impl)[1](**kwargs)
 
 
@@ -73,10 +71,6 @@ def assert_only_adapter_moved(trainer) -> None:
             assert moved, f"{name} should train"
         elif "lora_" not in name:
             assert not moved, f"base parameter {name} should stay frozen"
-
-
-def rank_reward(completions, **kwargs) -> list[float]:
-    return [float(i % 4) for i in range(len(completions))]
 
 
 def length_reward(completions, **kwargs) -> list[float]:
@@ -277,4 +271,4 @@ def test_rloo_single_generation_is_refused(impl, tmp_path):
     # TRL refuses it in its config; the safe config refuses it first, with the rule's message (still a ValueError)
     _, config_class = classes("rloo", impl)
     with pytest.raises(ValueError, match="2 generations|`num_generations=1`"):
-        config_class(**quick_args(output_dir=str(tmp_path), num_generations=1))
+        config_class(**preset_args("rloo", tmp_path, num_generations=1))

@@ -5,6 +5,8 @@ Launched by the distributed guard tests, e.g.:
         --model MODEL_DIR --out DIR
     deepspeed --num_gpus 2 tests/workers/guard_worker.py --kind dpo --fault loss:6:1 --model MODEL_DIR --out DIR \
         --deepspeed zero3.json
+    torchrun --nproc_per_node 2 tests/workers/guard_worker.py --kind dpo --fault loss:6:1 --model MODEL_DIR --out DIR \
+        --fsdp SHARDED_STATE_DICT
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for guard_utils
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers/, for fsdp_on_cpu
 
 import safe_trainers as st  # noqa: E402
-from guard_utils import TRAINERS, guarded_trainer, recording  # noqa: E402
+from guard_utils import recording  # noqa: E402
+from safe_trainers.guard.sharding import replicated  # noqa: E402
+from safe_trainers.testing.build import build_trainer  # noqa: E402
 from safe_trainers.testing.faults import Fault  # noqa: E402
 from safe_trainers.kinds import TRAINER_KINDS  # noqa: E402
+from safe_trainers.trainers import trainer_class  # noqa: E402
 
 
 def parse(argv=None):
@@ -36,14 +42,34 @@ def parse(argv=None):
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", required=True, help="a saved toy model (safe_trainers.testing.toy.save_toy_model)")
     parser.add_argument("--deepspeed", default=None)
+    parser.add_argument("--fsdp", default=None, help="FSDP2 with this `state_dict_type` (CPU ranks: fsdp_on_cpu)")
     parser.add_argument("--max_steps", type=int, default=8)
     parser.add_argument("--max_rollbacks", type=int, default=3)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--save_steps", type=int, default=4)
+    parser.add_argument("--rollback_from", default="memory", help="`nan_rollback_from`")
     parser.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    parser.add_argument("--gpu", action="store_true", help="train on the GPU in bf16 (the preset pins the CPU)")
+    parser.add_argument("--save_final", action="store_true", help="`save_model(out/final)` after training")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
+
+
+def fsdp2_config(state_dict_type: str) -> dict:
+    """The settings of `configs/accelerate/fsdp2.yaml` (transformer-based wrap, reshard after forward)."""
+    return {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+        "reshard_after_forward": True,
+        "state_dict_type": state_dict_type,
+    }
+
+
+def write_result(out: str, result: dict) -> None:
+    with open(os.path.join(out, f"result-rank{result['rank']}.json"), "w") as f:
+        json.dump(result, f)
 
 
 def main(argv=None) -> int:
@@ -53,6 +79,12 @@ def main(argv=None) -> int:
         import deepspeed
 
         deepspeed.init_distributed()
+    fsdp = {}
+    if ns.fsdp:
+        import fsdp_on_cpu
+
+        fsdp_on_cpu.enable()
+        fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config=fsdp2_config(ns.fsdp))
     state = PartialState()
     faults = []
     for spec in ns.fault:
@@ -61,24 +93,28 @@ def main(argv=None) -> int:
         value = float(parts[3]) if len(parts) > 3 else float("nan")
         micro_batch = int(parts[4]) if len(parts) > 4 else None
         faults.append(Fault(step=int(parts[1]), kind=parts[0], rank=rank, value=value, micro_batch=micro_batch))
-    peft_config = None
+    lora = {}
     if ns.lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        lora["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     # ns.model was written by the test before launching, so no rank races another to create it.
-    trainer = guarded_trainer(
+    trainer = build_trainer(
         ns.kind,
         ns.model,
         os.path.join(ns.out, "run"),
-        faults,
-        peft_config=peft_config,
-        trainer_cls=recording(TRAINERS[ns.kind]),
+        preset="guarded",
+        faults=faults,
+        trainer_cls=recording(trainer_class(ns.kind)),
         max_steps=ns.max_steps,
         save_steps=ns.save_steps,
         gradient_accumulation_steps=ns.ga,
         nan_max_rollbacks=ns.max_rollbacks,
+        nan_rollback_from=ns.rollback_from,
         deepspeed=ns.deepspeed,
+        trainer_kwargs=lora,
+        **fsdp,
+        **(dict(use_cpu=False, bf16=True, learning_rate=1e-5) if ns.gpu else {}),
     )
     injector = trainer.fault_injector
     outcome = "finished"
@@ -86,7 +122,9 @@ def main(argv=None) -> int:
         trainer.train(resume_from_checkpoint=ns.resume)
     except st.TrainingDivergedError as error:
         outcome = f"diverged: {error.checkpoint_dir}"
-    params = [p for p in trainer.model.parameters()]
+    if ns.save_final:
+        trainer.save_model(os.path.join(ns.out, "final"))  # FULL_STATE_DICT: gathered and written by rank 0
+    params = [replicated(p) for p in trainer.model.parameters()]  # FSDP2: the whole parameter on every rank
     if trainer.is_deepspeed_enabled:
         optimizer = trainer.model_wrapped.optimizer
         flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
@@ -103,10 +141,11 @@ def main(argv=None) -> int:
         "skipped": trainer.nan_guard.state.skipped_steps,
         "rollbacks": trainer.nan_guard.state.rollbacks,
         "seen": getattr(trainer, "seen", []),
+        "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
+        "state_dict_type": str(getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "state_dict_type", "")),
         "checksum": float(sum(p.detach().double().sum() for p in params if p.numel() > 0)),
     }
-    with open(os.path.join(ns.out, f"result-rank{state.process_index}.json"), "w") as f:
-        json.dump(result, f)
+    write_result(ns.out, result)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()  # destroys the process group before the interpreter exits
     return 0

@@ -1,0 +1,73 @@
+"""The distributed backends the NaN guard protects: single process, DDP, DeepSpeed ZeRO 1-3, and FSDP2.
+
+A backend the guard cannot protect is refused when the trainer is built, never left to train silently unprotected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FSDP1_REFUSED = (
+    "`nan_guard=True` protects FSDP version 2 (`fully_shard`), got FSDP version 1. Use FSDP2, TRL's recommended "
+    "multi-GPU setup: `fsdp_config={'version': 2}` (or `fsdp_version: 2` in the accelerate config, e.g. "
+    "`configs/accelerate/fsdp2.yaml`), or set `nan_guard=False` to train without the guard."
+)
+ZERO0_REFUSED = (
+    "`nan_guard=True` supports DeepSpeed ZeRO stages 1, 2 and 3, got stage 0. Use ZeRO, or plain DDP, or set "
+    "`nan_guard=False`."
+)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the guard binds to when training starts.
+
+    Args:
+        optimizer: the torch optimizer (accelerate's wrapper unwrapped), or DeepSpeed's ZeRO optimizer.
+        zero_stage (`int | None`): the ZeRO stage when DeepSpeed owns the optimizer, else `None`.
+        loss_scaled (`bool`): an fp16 loss scaler is active (its overflows are not faults).
+    """
+
+    optimizer: Any
+    zero_stage: int | None
+    loss_scaled: bool
+
+
+def backend_problem(fsdp_version: int | None = None, zero_stage: int | None = None) -> str | None:
+    """Why the guard cannot protect this backend, or `None` when it can. `fsdp_version`: the FSDP plugin's version,
+    `None` without FSDP; `zero_stage`: DeepSpeed's ZeRO stage, `None` without DeepSpeed.
+
+    FSDP version 1 flattens parameters into per-rank `FlatParameter`s that the guard does not snapshot; FSDP2
+    (`fully_shard`, DTensor parameters) is supported. DeepSpeed without ZeRO has no partitioned state to snapshot.
+    """
+    if fsdp_version == 1:
+        return FSDP1_REFUSED
+    if zero_stage == 0:
+        return ZERO0_REFUSED
+    return None
+
+
+def training_backend(trainer: Any) -> Backend:
+    """The optimizer, ZeRO stage and loss scaling of a trainer whose training has started (DeepSpeed's engine exists
+    then); raises a `ValueError` for a backend the guard cannot protect."""
+    if trainer.is_deepspeed_enabled:
+        stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
+        problem = backend_problem(zero_stage=stage)
+        if problem is not None:
+            raise ValueError(problem)
+        engine = trainer.model_wrapped
+        return Backend(engine.optimizer, stage, bool(engine.fp16_enabled()))
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return Backend(optimizer, None, trainer.accelerator.scaler is not None)
+
+
+def refuse_unsupported_backend(trainer: Any) -> None:
+    """Raise a `ValueError` when [`backend_problem`] finds one for the built trainer."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    problem = backend_problem(fsdp_version=getattr(plugin, "fsdp_version", 2) if plugin is not None else None)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+__all__ = ["Backend", "backend_problem", "refuse_unsupported_backend", "training_backend"]

@@ -1,0 +1,160 @@
+"""The step record: which step a training process was running when it died, kept on disk across restarts.
+
+A SIGKILL, a segfault or a device-side assert ends the process with no chance to say where it was. So the main
+process rewrites a tiny file, `output_dir/.safe_trainers_progress.json`, when each optimizer step begins and when it
+ends: one host-side write of a few hundred bytes into a file kept open (see [`ProgressWriter`]), with no device
+synchronisation. The next process of the run reads it before training and learns whether its predecessor
+died inside a step (and which) or between steps (logging, saving, evaluating, fetching data).
+
+The decisions are pure: [`inherit`] turns the previous record into the new process's [`History`], and [`poison`] names
+the step whose batches killed the process `times` times in a row. Only a death *inside* a step counts; the same step
+means the same batches, because a resumed run reads exactly the batches of an uninterrupted one and `data` (the
+world size, batch sizes, seeds and dataset length) must match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+PROGRESS_FILE = ".safe_trainers_progress.json"
+KEPT_DEATHS = 16
+
+Phase = Literal["step", "between", "finished"]
+
+
+@dataclass(frozen=True)
+class Death:
+    """An earlier process of the run that died.
+
+    Args:
+        attempt (`int`): the process's number in the run (0: the first; each restart or resume adds 1).
+        step (`int | None`): the optimizer step it was running; `None` if it died between steps.
+    """
+
+    attempt: int
+    step: int | None
+
+
+@dataclass(frozen=True)
+class Poisoned:
+    """A step whose batches are not trained: they killed `attempts` in a row."""
+
+    step: int
+    attempts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class History:
+    """What a process inherits from the earlier processes of its run."""
+
+    attempt: int = 0
+    deaths: tuple[Death, ...] = ()
+    poisoned: tuple[Poisoned, ...] = ()
+
+    def poisoned_step(self, step: int) -> Poisoned | None:
+        return next((p for p in self.poisoned if p.step == step), None)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The step record as written on disk.
+
+    Args:
+        attempt (`int`): the writing process's number in the run.
+        step (`int`): the step running (`phase="step"`) or last finished (`"between"`, `"finished"`: training ended).
+        phase (`str`): `"step"`, `"between"` or `"finished"`.
+        data (`str`): what makes a step number name the same batches (see [`data_identity`]).
+        deaths, poisoned: the run's history so far (see [`History`]).
+    """
+
+    attempt: int
+    step: int
+    phase: Phase
+    data: str
+    deaths: tuple[Death, ...] = ()
+    poisoned: tuple[Poisoned, ...] = ()
+
+    @classmethod
+    def from_json(cls, text: str) -> "Progress":
+        raw = json.loads(text)
+        deaths = tuple(Death(**d) for d in raw.pop("deaths", []))
+        poisoned = tuple(Poisoned(p["step"], tuple(p["attempts"])) for p in raw.pop("poisoned", []))
+        return cls(**raw, deaths=deaths, poisoned=poisoned)
+
+
+def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: int) -> History:
+    """The history a new process starts with.
+
+    Args:
+        previous: the record the last process of the run left (`None`: none, or unreadable).
+        continuing: this process continues the run (a restart, or a resume); a new run starts a new history.
+        data: this process's [`data_identity`]; a record made with other data belongs to another run.
+        skip_after: a step whose batches killed this many processes in a row is skipped (`0`: never).
+    """
+    if previous is None or not continuing or previous.data != data:
+        return History()
+    deaths = previous.deaths
+    if previous.phase != "finished":
+        step = previous.step if previous.phase == "step" else None
+        deaths = (deaths + (Death(previous.attempt, step),))[-KEPT_DEATHS:]
+    poisoned = previous.poisoned
+    found = poison(deaths, skip_after)
+    if found is not None and all(p.step != found.step for p in poisoned):
+        poisoned += (found,)
+    return History(previous.attempt + 1, deaths, poisoned)
+
+
+def poison(deaths: tuple[Death, ...], times: int) -> Poisoned | None:
+    """The step the last `times` deaths all happened in, if they did (`times=0`: never)."""
+    last = deaths[-times:] if times > 0 else ()
+    if len(last) < max(times, 1) or last[0].step is None or any(d.step != last[0].step for d in last):
+        return None
+    return Poisoned(last[0].step, tuple(d.attempt for d in last))
+
+
+def data_identity(args, rows: int | None) -> str:
+    """What makes step N read the same batches in two processes: the data-parallel world, the batch sizes, the seeds
+    and the dataset's length."""
+    return (
+        f"world={args.world_size} batch={args.per_device_train_batch_size} "
+        f"accumulation={args.gradient_accumulation_steps} seed={args.seed} data_seed={args.data_seed} rows={rows}"
+    )
+
+
+def read_progress(output_dir: str) -> Progress | None:
+    """The record in `output_dir`, or `None` if there is none or it cannot be read."""
+    try:
+        with open(os.path.join(output_dir, PROGRESS_FILE)) as f:
+            return Progress.from_json(f.read())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+class ProgressWriter:
+    """Rewrites the step record of one process, in place.
+
+    The file is opened once; each write is one `pwrite` of a few hundred bytes at offset 0 (padded to the longest
+    record written, so no byte of an older record is left behind), about a microsecond: a process killed by a signal
+    never leaves half a record, as the kernel finishes the write first. Only `step` and `phase` change between writes.
+    """
+
+    def __init__(self, output_dir: str, history: History, data: str):
+        os.makedirs(output_dir, exist_ok=True)
+        self._fd = os.open(os.path.join(output_dir, PROGRESS_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.ftruncate(self._fd, 0)
+        rest = json.dumps({"data": data, "deaths": [asdict(d) for d in history.deaths],
+                           "poisoned": [asdict(p) for p in history.poisoned]})  # fmt: skip
+        self._head = f'{{"attempt": {history.attempt}, "step": '
+        self._tail = f'", {rest[1:]}'
+        self._size = 0
+
+    def write(self, step: int, phase: Phase) -> None:
+        text = f'{self._head}{step}, "phase": "{phase}{self._tail}'.encode()
+        self._size = max(self._size, len(text))
+        os.pwrite(self._fd, text.ljust(self._size), 0)
+
+    def close(self) -> None:
+        os.close(self._fd)

@@ -1,0 +1,167 @@
+"""Where `train()` starts: from scratch, from the checkpoint it was given, or from the newest healthy checkpoint.
+
+A process killed by a signal (SIGKILL, SIGFPE, a segfault, a CUDA device-side assert, an NCCL timeout) cannot save
+anything. torchrun's elastic agent (`torchrun --max-restarts N`, `accelerate launch --max_restarts N`) starts the
+workers again, with the same command line, and tells them so in `TORCHELASTIC_RESTART_COUNT` (its documented contract
+with the workers). With `resume_on_restart=True` such a restarted `train()` resumes from the newest complete and finite
+checkpoint of `output_dir` with nothing else passed, as `resume_from_checkpoint=True` does (see `resume.py`), and
+inherits the run's history of deaths (see `progress.py`).
+
+[`plan_resume`] is the decision, free of side effects: from the launcher's environment, the `output_dir` contents and
+the settings to a [`ResumePlan`]. [`resolve_run`] takes it on the main process, hands it to every rank (so all ranks
+resume from the same checkpoint) and reports it; [`record_resume`] writes the `resume` event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from accelerate.utils import broadcast_object_list
+
+from .checkpoint import checkpoint_step
+from .events import NanEvent
+from .progress import History, Progress, data_identity, inherit, read_progress
+from .resume import CheckpointChoice, PassedOver, choose_checkpoint
+
+if TYPE_CHECKING:
+    from .guard import NanGuard
+
+logger = logging.getLogger("safe_trainers")
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+Reason = Literal["new", "explicit", "requested", "restart"]
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How `train()` starts.
+
+    Args:
+        checkpoint (`str | None`): the checkpoint to resume from (`None`: from scratch).
+        reason (`str`): `"new"` (a new run), `"explicit"` (a checkpoint path was passed), `"requested"`
+            (`resume_from_checkpoint=True`) or `"restart"` (restarted by the elastic agent).
+        restart (`int`): the launcher's restart count (0: first start, or no elastic agent).
+        passed_over ([`PassedOver`] tuple): newer checkpoints that were not usable, newest first, with the reason.
+        history ([`History`]): what this process inherits from the run's earlier processes.
+        data (`str`): the run's data identity (see `progress.data_identity`).
+    """
+
+    checkpoint: str | None
+    reason: Reason
+    restart: int = 0
+    passed_over: tuple[PassedOver, ...] = ()
+    history: History = field(default_factory=History)
+    data: str = ""
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How many times the elastic agent has restarted this worker group (0 without one)."""
+    value = env.get(RESTART_COUNT, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def resume_reason(requested: str | bool | None, restart: int, resume_on_restart: bool) -> Reason:
+    """Why the run resumes, or `"new"`: an explicit path wins, then `True`, then a restart by the elastic agent."""
+    if isinstance(requested, str):
+        return "explicit"
+    if requested is True:
+        return "requested"
+    return "restart" if restart > 0 and resume_on_restart else "new"
+
+
+def plan_resume(
+    requested: str | bool | None,
+    env: Mapping[str, str],
+    output_dir: str,
+    *,
+    resume_on_restart: bool = True,
+    skip_after: int = 2,
+    data: str = "",
+    choose: Callable[[str], CheckpointChoice] = choose_checkpoint,
+    previous: Callable[[str], Progress | None] = read_progress,
+) -> ResumePlan:
+    """Decide how `train()` starts (see the module docstring). `choose` and `previous` read `output_dir`."""
+    restart = restart_count(env)
+    reason = resume_reason(requested, restart, resume_on_restart)
+    if reason in ("requested", "restart"):
+        choice = choose(output_dir)
+    else:
+        choice = CheckpointChoice(requested if reason == "explicit" else None)
+    continuing = reason != "new" or restart > 0
+    history = inherit(previous(output_dir), continuing, data, skip_after)
+    return ResumePlan(choice.path, reason, restart, choice.passed_over, history, data)
+
+
+def resolve_run(trainer: Any, requested: str | bool | None) -> ResumePlan:
+    """Plan on the main process, hand the plan to every rank, report it; raise if `True` found no checkpoint."""
+    args, settings = trainer.args, getattr(trainer, "safety_settings", None)
+    plan = None
+    if args.process_index == 0:
+        dataset = getattr(trainer, "train_dataset", None)
+        rows = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+        plan = plan_resume(
+            requested if requested is not False else None,
+            os.environ,
+            args.output_dir,
+            resume_on_restart=getattr(settings, "resume_on_restart", True),
+            skip_after=getattr(settings, "skip_step_after_crashes", 2),
+            data=data_identity(args, rows),
+        )
+    plan = broadcast_object_list([plan])[0]
+    if plan.reason == "requested" and plan.checkpoint is None:
+        raise ValueError(no_checkpoint_message(args.output_dir, plan.passed_over))
+    if args.process_index == 0:
+        _log(plan)
+    return plan
+
+
+def record_resume(guard: NanGuard, plan: ResumePlan) -> None:
+    """Add the `resume` event (after the guard started its run: the event log is the resumed one) when the resume
+    logic chose the checkpoint, or earlier processes of the run died; an explicit path after a clean run adds none."""
+    if plan.reason in ("new", "explicit") and not plan.restart and not plan.history.deaths:
+        return
+    step = checkpoint_step(plan.checkpoint) if plan.checkpoint else 0
+    detail = {
+        "checkpoint": plan.checkpoint,
+        "reason": plan.reason,
+        "restart": plan.restart,
+        "attempt": plan.history.attempt,
+        "passed_over": [p.to_dict() for p in plan.passed_over],
+        "deaths": [{"attempt": d.attempt, "step": d.step} for d in plan.history.deaths],
+    }
+    guard.events.add(NanEvent(step or 0, "resume", [], [], detail))
+
+
+def no_checkpoint_message(output_dir: str, passed_over: tuple[PassedOver, ...]) -> str:
+    if passed_over:
+        found = "; ".join(f"`{os.path.basename(p.path)}`: {p.reason}" for p in passed_over)
+        head = f"every checkpoint in {output_dir} was passed over ({found})"
+    else:
+        head = f"{output_dir} holds no `checkpoint-N` directory"
+    return (
+        f"`resume_from_checkpoint=True` found no checkpoint to resume from: {head}. Pass the path of a checkpoint to "
+        "resume from, or `resume_from_checkpoint=None` to start a new run."
+    )
+
+
+def _log(plan: ResumePlan) -> None:
+    for skipped in plan.passed_over:
+        logger.warning(f"Resume: passed over {skipped.path}: {skipped.reason}.")
+    if plan.history.deaths:
+        where = ", ".join(
+            f"attempt {d.attempt} " + (f"at step {d.step}" if d.step is not None else "between steps")
+            for d in plan.history.deaths[-3:]
+        )
+        logger.warning(f"Earlier processes of this run died: {where}.")
+    if plan.reason == "new" and plan.restart:
+        logger.warning(f"Restart {plan.restart} by the elastic agent with `resume_on_restart=False`: starting over.")
+    if plan.reason in ("requested", "restart"):
+        cause = f"restart {plan.restart} by the elastic agent" if plan.reason == "restart" else "requested"
+        if plan.checkpoint is None:
+            logger.warning(f"Resume ({cause}): no checkpoint yet, training starts from step 0.")
+        else:
+            logger.warning(f"Resume ({cause}): from {plan.checkpoint}, the newest complete and finite checkpoint.")

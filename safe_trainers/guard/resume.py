@@ -1,0 +1,143 @@
+"""Which checkpoint a run resumes from: the newest that is complete and finite, and why each newer one was passed over.
+
+transformers' `resume_from_checkpoint=True` takes the highest-numbered `checkpoint-N` directory, even one a crash left
+half-written or one another tool saved with NaN weights. Here each candidate is examined, newest first:
+
+* complete: it has `trainer_state.json` and model weights (a full model, a PEFT adapter, a sharded index whose shards
+  all exist, or a DeepSpeed / FSDP state directory);
+* finite: every floating tensor of its weights and of `optimizer.pt` is finite. Safetensors files are read one tensor
+  at a time; `.bin`/`.pt` files are memory-mapped. DeepSpeed and FSDP state directories are checked for presence only.
+
+The checks read files and change nothing; [`choose_checkpoint`] is deterministic: run on the same directory, it always
+picks the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import all_finite, checkpoints
+
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.pt"
+WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Directories in which a backend keeps its own sharded state (DeepSpeed's `global_step<N>`, FSDP's model shards).
+BACKEND_STATE_PREFIXES = ("global_step", "pytorch_model_fsdp")
+
+
+@dataclass(frozen=True)
+class PassedOver:
+    """A checkpoint that was not resumed from, and why (`reason` reads after "passed over: ")."""
+
+    path: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"checkpoint": self.path, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """The checkpoint to resume from (`None`: no usable one) and the newer ones passed over, newest first."""
+
+    path: str | None
+    passed_over: tuple[PassedOver, ...] = ()
+
+
+def choose_checkpoint(
+    run_dir: str, problem: Callable[[str], str | None] | None = None
+) -> CheckpointChoice:
+    """The newest `checkpoint-N` of `run_dir` that `problem` (default [`checkpoint_problem`]) finds nothing wrong with.
+
+    Example:
+        ```python
+        >>> choice = choose_checkpoint("out/dpo")
+        >>> choice.path, [(p.path, p.reason) for p in choice.passed_over]
+        ('out/dpo/checkpoint-40', [('out/dpo/checkpoint-50', 'incomplete: no `trainer_state.json` ...')])
+        ```
+    """
+    problem = problem or checkpoint_problem
+    passed: list[PassedOver] = []
+    for path in reversed(checkpoints(run_dir)):
+        reason = problem(path)
+        if reason is None:
+            return CheckpointChoice(path, tuple(passed))
+        passed.append(PassedOver(path, reason))
+    return CheckpointChoice(None, tuple(passed))
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why `path` cannot be resumed from (incomplete, unreadable, non-finite), or `None` if it can."""
+    if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        return f"incomplete: no `{TRAINER_STATE}` (a save that did not finish, or not a Trainer checkpoint)"
+    files, missing = weight_files(path)
+    if missing:
+        return f"incomplete: `{missing}` is missing"
+    if not files and not _has_backend_state(path):
+        return "incomplete: no model weights"
+    optimizer = os.path.join(path, OPTIMIZER)
+    for file in files + ([optimizer] if os.path.isfile(optimizer) else []):
+        try:
+            bad = next(_nonfinite_tensors(file), None)
+        except Exception as error:  # a truncated or corrupt file
+            return f"unreadable: `{os.path.basename(file)}` ({type(error).__name__}: {error})"
+        if bad is not None:
+            return f"non-finite: `{bad}` in `{os.path.basename(file)}`"
+    return None
+
+
+def weight_files(path: str) -> tuple[list[str], str | None]:
+    """The weight files of a checkpoint, and the first file a sharded index lists that does not exist (if any)."""
+    files = [os.path.join(path, name) for name in WEIGHT_FILES if os.path.isfile(os.path.join(path, name))]
+    for index in WEIGHT_INDEXES:
+        index_path = os.path.join(path, index)
+        if not os.path.isfile(index_path):
+            continue
+        with open(index_path) as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        for shard in shards:
+            if not os.path.isfile(os.path.join(path, shard)):
+                return files, shard
+        files += [os.path.join(path, shard) for shard in shards]
+    return files, None
+
+
+def _has_backend_state(path: str) -> bool:
+    names = os.listdir(path)
+    return any(name.startswith(BACKEND_STATE_PREFIXES) and os.path.isdir(os.path.join(path, name)) for name in names)
+
+
+def _nonfinite_tensors(file: str) -> Iterator[str]:
+    """The names of the floating tensors of `file` that hold a NaN or Inf, reading one tensor at a time."""
+    if file.endswith(".safetensors"):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if _nonfinite(f.get_tensor(name)):
+                    yield name
+        return
+    for name, tensor in _tensors(torch.load(file, map_location="cpu", mmap=True, weights_only=True)):
+        if _nonfinite(tensor):
+            yield name
+
+
+def _nonfinite(tensor: torch.Tensor) -> bool:
+    return not bool(all_finite([tensor]))  # a fused norm: far faster on CPU than `isfinite().all()`
+
+
+def _tensors(value, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a nested state dict (an optimizer's `state` / `param_groups`), with a dotted name."""
+    if torch.is_tensor(value):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}.{i}" if prefix else str(i))

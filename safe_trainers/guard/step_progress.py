@@ -1,0 +1,97 @@
+"""`StepProgressCallback`: keeps the step record on disk and skips the batches of a poisoned step.
+
+The record (see `progress.py`) is rewritten by the main process when each optimizer step begins and ends, and once
+more when training ends. A step whose batches killed the process `skip_step_after_crashes` times in a row is
+*poisoned*: when it comes, its micro-batches are taken from the dataloader as usual (so every other step reads exactly
+the batches it would have) but not trained: no forward, no backward, no update. The guard counts it as a skipped step
+(`nan_guard/skipped_steps`, a `skip` event) and a `poison` event says which batches and which attempts died on them;
+`global_step` and the LR schedule go on, as for any skipped step, and the run ends at `max_steps`.
+
+Under DeepSpeed the engine counts micro-batches in its own backward, so a step cannot be left out: a poisoned step is
+reported (`"skipped": false`) and trained.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import TrainerCallback
+
+from .events import NanEvent
+from .progress import History, Phase, Poisoned, ProgressWriter
+
+if TYPE_CHECKING:
+    from .guard import NanGuard
+
+logger = logging.getLogger("safe_trainers")
+
+
+class StepProgressCallback(TrainerCallback):
+    """Writes the step record and drops the micro-batches of poisoned steps (see the module docstring).
+
+    Args:
+        guard ([`NanGuard`]): the trainer's guard (its event log records the poisoned steps).
+    """
+
+    def __init__(self, guard: NanGuard):
+        self.guard = guard
+        self.history = History()
+        self.dropping = False
+        self._writer: ProgressWriter | None = None
+
+    def start(self, history: History, data: str) -> None:
+        """Called by `train()` with what this process inherits from the run's earlier processes."""
+        self.history, self.dropping = history, False
+        trainer = self.guard.trainer
+        if self._writer is not None:
+            self._writer.close()
+        main = trainer.is_world_process_zero()
+        self._writer = ProgressWriter(trainer.args.output_dir, history, data) if main else None
+
+    @staticmethod
+    def dropped_loss(device: Any) -> torch.Tensor:
+        """What `training_step` returns for a dropped micro-batch: no loss (NaN), as for any skipped step."""
+        return torch.full((), float("nan"), device=device)
+
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        step = state.global_step + 1
+        poisoned = self.history.poisoned_step(step)
+        if poisoned is not None:
+            self.dropping = not self.guard.trainer.is_deepspeed_enabled
+            self._report(step, poisoned, args.gradient_accumulation_steps)
+        self._save(step, "step")
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        self.dropping = False
+        self._save(state.global_step, "between")
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self._save(state.global_step, "finished")
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _save(self, step: int, phase: Phase) -> None:
+        if self._writer is not None:
+            self._writer.write(step, phase)
+
+    def _report(self, step: int, poisoned: Poisoned, accumulation: int) -> None:
+        batches = [(step - 1) * accumulation, step * accumulation - 1]
+        detail = {"attempts": list(poisoned.attempts), "micro_batches": batches, "skipped": self.dropping}
+        self.guard.events.add(NanEvent(step, "poison", [], [], detail))
+        if self._writer is None:  # the main process reports
+            return
+        attempts = " and ".join(str(a) for a in poisoned.attempts)
+        if self.dropping:
+            logger.warning(
+                f"Step {step}'s batches (micro-batches {batches[0]}-{batches[1]} of each rank's stream) killed the "
+                f"training process in attempts {attempts} in a row: they are skipped, not trained. Training goes on "
+                f"with step {step + 1}. Set `skip_step_after_crashes=0` to always train every batch."
+            )
+        else:
+            logger.error(
+                f"Step {step}'s batches killed the training process in attempts {attempts} in a row, but under "
+                "DeepSpeed a step cannot be left out: they are trained again."
+            )

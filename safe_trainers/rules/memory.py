@@ -1,0 +1,60 @@
+"""Memory rule (`memory.*`): the NaN guard's host copy of the training state must fit in host memory."""
+
+from __future__ import annotations
+
+from .base import Rule
+from .report import Change, Finding
+
+# The share of the host memory available at construction the snapshots of one node may take: the training processes
+# need the rest (data loading, pinned buffers, checkpoint writing, which gathers state on the host too).
+HOST_MEMORY_SHARE = 0.5
+GIB = 2**30
+
+
+class SnapshotFits(Rule):
+    """The NaN guard's host copy of the weights and optimizer state must fit in host memory, or it rolls back from disk.
+
+    What it changes:
+        `nan_rollback_from` becomes `"checkpoint"` (the guard keeps no host copy and a rollback reloads the newest
+        verified checkpoint) when the snapshots of one node, estimated from the model, its trainable parameters, the
+        distributed strategy and the number of ranks per node, would take more than half the host memory available
+        when the trainer is built. Applied to the guard's settings (`trainer.safety_settings`), not to your config.
+
+    Why:
+        a full fine-tune keeps weights plus two Adam moments per trainable parameter; under DDP every rank holds all
+        of it, so 8 ranks of a 7B model need about 670 GiB of host memory for their copies (the state per parameter:
+        [ZeRO, section 3.1](https://arxiv.org/abs/1910.02054)). A process killed by the out-of-memory killer loses
+        more than a NaN would (docs/guard.md, "Memory").
+
+    Opt out:
+        `safety_disable_rules=["memory.snapshot_fits"]` keeps the host copy; `nan_rollback_from="checkpoint"` chooses
+        the disk yourself; `nan_guard=False` turns the guard off.
+    """
+
+    id = "memory.snapshot_fits"
+    summary = "The NaN guard's host snapshot must fit in host memory; otherwise it rolls back from the newest checkpoint."
+    rationale = "https://arxiv.org/abs/1910.02054"  # ZeRO, section 3.1: Adam keeps 12-16 bytes per parameter
+
+    def check_built(self, built) -> Finding | None:
+        args = built.args
+        if not getattr(args, "nan_guard", True) or getattr(args, "nan_rollback_from", "memory") != "memory":
+            return None
+        if built.snapshot_bytes_per_node is None or built.host_memory_available is None:
+            return None
+        need, available = built.snapshot_bytes_per_node, built.host_memory_available
+        if need <= HOST_MEMORY_SHARE * available:
+            return None
+        return self.fixed(
+            f"The NaN guard's host copy of the weights and optimizer state needs about {need / GIB:,.1f} GiB per node "
+            f"({built.snapshot_strategy}), more than half of the {available / GIB:,.1f} GiB of host memory available: "
+            "it now rolls back to the newest verified checkpoint instead (`nan_rollback_from=\"checkpoint\"`: no "
+            "host copy, a slower restore, the steps since that checkpoint are discarded). Save often enough "
+            "(`save_steps`) for that to cost little, or free host memory and set "
+            "`safety_disable_rules=[\"memory.snapshot_fits\"]`.",
+            Change("safety_settings.nan_rollback_from", "memory", "checkpoint"),
+            needed_bytes=need,
+            available_bytes=available,
+        )
+
+    def apply_built(self, trainer, finding: Finding) -> None:
+        trainer.safety_settings.nan_rollback_from = "checkpoint"

@@ -1,0 +1,124 @@
+"""`attention.gemma2_no_flash`: soft-capped models (Gemma-2, soft-capped Gemma-3) never run sdpa or a flash-attn that
+does not soft-cap in the backward pass; on model paths, instances and the reference model."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+from safe_trainers.rules import get_rule
+from safe_trainers.rules.apply import apply_to_setup
+from safe_trainers.rules.attention import is_flash, softcap_safe_implementation
+from safe_trainers.rules.context import TrainerSetup, resolve_model_class
+from safe_trainers.rules.hardware import Hardware
+from safe_trainers.testing.toy import build_model, model_config
+
+from rule_utils import change_map, make_args, make_setup  # tests/ is on sys.path, as for conftest
+
+
+ATTENTION = get_rule("attention.gemma2_no_flash")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# attention.gemma2_no_flash
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _SdpaCapable:
+    _supports_sdpa = True
+
+
+@pytest.mark.parametrize(
+    "family, requested, expected_new",
+    [
+        ("gemma2", "sdpa", "eager"),
+        ("gemma2", "flash_attention_2", "eager"),
+        ("gemma2", "flash_attention_3", "eager"),
+        ("gemma2", "kernels-community/flash-attn", "eager"),
+        ("gemma2", "eager", None),
+        ("gemma2", None, None),
+        ("qwen2", "sdpa", None),
+        ("llama", "flash_attention_2", None),
+        ("gemma3", "sdpa", None),  # no soft-capping in the toy Gemma-3 config
+    ],
+)
+def test_attention_rule_on_paths(family, requested, expected_new):
+    mik = {} if requested is None else {"attn_implementation": requested}
+    setup = make_setup("dpo", family, args=make_args("dpo", model_init_kwargs=mik))
+    finding = ATTENTION.check(setup)
+    if expected_new is None:
+        assert finding is None
+        return
+    assert finding.action == "fixed"
+    assert change_map(finding) == {"args.model_init_kwargs.attn_implementation": (requested, expected_new)}
+    assert "attn_logit_softcapping=50.0" in finding.message
+    assert ("backward pass" in finding.message) == is_flash(requested)
+
+
+def test_attention_rule_prefers_sdpa_where_the_model_class_supports_it():
+    assert softcap_safe_implementation(None) == "eager"
+    assert softcap_safe_implementation(_SdpaCapable) == "sdpa"
+    args = make_args("dpo", model_init_kwargs={"attn_implementation": "flash_attention_2"})
+    setup = make_setup("dpo", "gemma2", args=args)
+    setup = dataclasses.replace(setup, model_class=_SdpaCapable)
+    finding = ATTENTION.check(setup)
+    assert change_map(finding) == {"args.model_init_kwargs.attn_implementation": ("flash_attention_2", "sdpa")}
+    # sdpa requested and sdpa is the safe choice: nothing to do
+    setup = dataclasses.replace(setup, args=make_args("dpo", model_init_kwargs={"attn_implementation": "sdpa"}))
+    assert ATTENTION.check(setup) is None
+
+
+def test_attention_rule_softcapped_gemma3_config():
+    cfg = model_config("gemma3", attn_logit_softcapping=30.0)
+    setup = TrainerSetup(
+        kind="dpo",
+        args=make_args("dpo", model_init_kwargs={"attn_implementation": "flash_attention_2"}),
+        model="toy/gemma3",
+        model_config=cfg,
+        model_class=resolve_model_class("dpo", "toy/gemma3", cfg),
+    )
+    finding = ATTENTION.check(setup)
+    assert finding is not None
+    new = change_map(finding)["args.model_init_kwargs.attn_implementation"][1]
+    assert new == softcap_safe_implementation(setup.model_class)
+
+
+@pytest.fixture(scope="module")
+def gemma2_instance():
+    return build_model("gemma2")
+
+
+@pytest.mark.parametrize("current", ["flash_attention_2", "sdpa"])
+def test_attention_rule_on_instances_and_ref_model(gemma2_instance, current):
+    model = gemma2_instance
+    ref = copy.deepcopy(model)
+    model.config._attn_implementation = current
+    ref.config._attn_implementation = current
+    setup = make_setup("dpo", "gemma2", model=model, ref_model=ref)
+    finding = ATTENTION.check(setup)
+    assert change_map(finding) == {
+        "model.attn_implementation": (current, "eager"),
+        "ref_model.attn_implementation": (current, "eager"),
+    }
+    new = apply_to_setup(setup, finding)
+    assert new.model is model and model.config._attn_implementation == "eager"
+    assert ref.config._attn_implementation == "eager"
+    assert ATTENTION.check(new) is None
+
+
+def test_attention_rule_leaves_eager_instance_alone(gemma2_instance):
+    gemma2_instance.config._attn_implementation = "eager"
+    assert ATTENTION.check(make_setup("dpo", "gemma2", model=gemma2_instance)) is None
+
+
+def test_gemma2_flash_kept_with_a_flash_attn_that_soft_caps():
+    # flash-attn 2.6.3 and later soft-cap in the backward pass too: a valid run, not rewritten to eager.
+    rule = ATTENTION
+    args = make_args("dpo", model_init_kwargs={"attn_implementation": "flash_attention_2"})
+    new = dataclasses.replace(Hardware(), flash_attn_version="2.7.4.post1")
+    old = dataclasses.replace(Hardware(), flash_attn_version="2.5.9")
+    assert rule.check(make_setup("dpo", "gemma2", args=args, hardware=new)) is None
+    finding = rule.check(make_setup("dpo", "gemma2", args=args, hardware=old))
+    assert finding.action == "fixed" and "2.5.9" in finding.message

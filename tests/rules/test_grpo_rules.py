@@ -1,0 +1,180 @@
+"""The GRPO rules: `grpo.group_size` (in the rule and in the config), `grpo.vocab_size` (a vocabulary padded past the
+tokenizer) and `grpo.vllm_is_truncation` (vLLM importance sampling with truncated sampling)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from safe_trainers import GRPOConfig, SafetyError
+from safe_trainers.rules import get_rule
+from safe_trainers.rules.grpo import group_size_problems, padded_vocab_ids, truncated_sampling
+from safe_trainers.testing.toy import build_tokenizer, model_config
+
+from rule_utils import OUT, make_args, make_setup, run_setup_stage  # tests/ is on sys.path, as for conftest
+
+
+GROUP = get_rule("grpo.group_size")
+VLLM_IS = get_rule("grpo.vllm_is_truncation")
+VOCAB = get_rule("grpo.vocab_size")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# grpo.group_size (rule and config)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_generations, batch, temperature, count, fragments",
+    [
+        (1, None, 1.0, 1, ["`num_generations=1`", "2 or more"]),
+        (0, 8, 1.0, 1, ["`num_generations=0`"]),
+        (3, 4, 1.0, 1, ["`generation_batch_size=4`", "not divisible by `num_generations=3`", "e.g. 3 or 6"]),
+        (4, 2, 1.0, 1, ["`generation_batch_size=2`", "e.g. 4, through"]),
+        (2, 4, 0.0, 1, ["`temperature=0.0`", "positive temperature"]),
+        (2, 4, -0.5, 1, ["`temperature=-0.5`"]),
+        (2, 4, math.nan, 1, ["`temperature=nan`"]),
+        (2, 4, math.inf, 1, ["`temperature=inf`"]),
+        (2, 4, None, 1, ["`temperature=None`"]),
+        (1, 4, 0.0, 2, ["`num_generations=1`", "`temperature=0.0`"]),
+        (3, 4, 0.0, 2, ["`generation_batch_size=4`", "`temperature=0.0`"]),
+    ],
+)
+def test_group_size_problems(num_generations, batch, temperature, count, fragments):
+    problems = group_size_problems(num_generations, batch, temperature)
+    assert len(problems) == count
+    text = " ".join(problems)
+    for fragment in fragments:
+        assert fragment in text
+
+
+@pytest.mark.parametrize(
+    "num_generations, batch, temperature", [(2, 4, 1.0), (8, 16, 0.7), (2, None, 1.0), (None, 4, 1.0)]
+)
+def test_group_size_valid(num_generations, batch, temperature):
+    assert group_size_problems(num_generations, batch, temperature) == []
+
+
+def test_group_size_rule_on_mutated_config():
+    args = make_args("grpo", per_device_train_batch_size=4, num_generations=2)
+    assert GROUP.check(make_setup("grpo", "qwen2", args=args)) is None
+    args.num_generations = 3
+    finding = GROUP.check(make_setup("grpo", "qwen2", args=args))
+    assert finding.action == "blocked" and "num_generations=3" in finding.message
+    args.num_generations = 2
+    args.temperature = 0.0
+    finding = GROUP.check(make_setup("grpo", "qwen2", args=args))
+    assert finding.action == "blocked" and "`temperature=0.0`" in finding.message
+
+
+def test_grpo_config_refuses_single_generation():
+    with pytest.raises(SafetyError, match=r"\[grpo.group_size\] `num_generations=1`") as exc:
+        GRPOConfig(output_dir=OUT, use_cpu=True, num_generations=1)
+    assert [f.rule_id for f in exc.value.findings] == ["grpo.group_size"]
+
+
+def test_grpo_config_refuses_zero_temperature():
+    with pytest.raises(SafetyError, match=r"`temperature=0`.*positive temperature"):
+        GRPOConfig(output_dir=OUT, use_cpu=True, num_generations=2, per_device_train_batch_size=2, temperature=0)
+
+
+def test_grpo_config_names_every_bad_setting_at_once():
+    with pytest.raises(SafetyError, match=r"\(1 problem\)") as exc:
+        GRPOConfig(output_dir=OUT, use_cpu=True, num_generations=3, generation_batch_size=4, temperature=0.0)
+    message = str(exc.value)
+    assert "`generation_batch_size=4`" in message and "`temperature=0.0`" in message
+
+
+def test_grpo_config_rule_disabled_leaves_trl_validation():
+    with pytest.raises(ValueError, match="at least 2 generations") as exc:
+        GRPOConfig(output_dir=OUT, use_cpu=True, num_generations=1, safety_disable_rules=["grpo.group_size"])
+    assert not isinstance(exc.value, SafetyError)
+    with pytest.raises(ValueError) as exc:
+        GRPOConfig(output_dir=OUT, use_cpu=True, num_generations=1, safety_mode="off")
+    assert not isinstance(exc.value, SafetyError)
+    # temperature is not validated by TRL: with the rule off, the config is accepted
+    assert (
+        GRPOConfig(
+            output_dir=OUT,
+            use_cpu=True,
+            num_generations=2,
+            per_device_train_batch_size=2,
+            temperature=0.0,
+            safety_mode="off",
+        ).temperature
+        == 0.0
+    )
+
+
+def test_grpo_config_valid():
+    args = GRPOConfig(output_dir=OUT, use_cpu=True, num_generations=2, per_device_train_batch_size=4)
+    assert args.generation_batch_size == 4 and args.safety_mode == "fix"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# grpo.vocab_size
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_padded_vocabulary_suppressed_in_transformers_generation():
+    setup = make_setup("grpo", "qwen2", config=model_config("qwen2", vocab_size=512), tokenizer=build_tokenizer())
+    finding = VOCAB.check(setup)
+    assert finding.action == "fixed" and "`vocab_size=512` is larger than the tokenizer (384 tokens)" in finding.message
+    (change,) = finding.changes
+    assert change.path == "args.generation_kwargs" and change.new["suppress_tokens"] == list(range(384, 512))
+    new, _ = run_setup_stage(setup)
+    assert new.args.generation_kwargs["suppress_tokens"] == list(range(384, 512))
+
+
+def test_padded_vocabulary_keeps_the_users_generation_kwargs():
+    args = make_args("grpo", generation_kwargs={"suppress_tokens": [7], "num_beams": 1})
+    setup = make_setup("grpo", "qwen2", config=model_config("qwen2", vocab_size=386), args=args, tokenizer=build_tokenizer())
+    assert VOCAB.check(setup).changes[0].new == {"suppress_tokens": [7, 384, 385], "num_beams": 1}
+
+
+def test_padded_vocabulary_with_vllm_warned():
+    args = make_args("grpo", use_vllm=True)
+    setup = make_setup("grpo", "qwen2", config=model_config("qwen2", vocab_size=512), args=args, tokenizer=build_tokenizer())
+    finding = VOCAB.check(setup)
+    assert finding.action == "warned" and "vLLM samples from the model's full vocabulary" in finding.message
+
+
+def test_vocabulary_matching_the_tokenizer_silent():
+    assert VOCAB.check(make_setup("grpo", "qwen2", tokenizer=build_tokenizer())) is None
+    assert VOCAB.check(make_setup("grpo", "qwen2")) is None  # no tokenizer
+    assert padded_vocab_ids(384, 384) == range(0) and padded_vocab_ids(None, 10) == range(0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# grpo.vllm_is_truncation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args_kw, shown",
+    [
+        (dict(top_p=0.9), "`top_p=0.9`"),
+        (dict(top_k=50), "`top_k=50`"),
+        (dict(min_p=0.05), "`min_p=0.05`"),
+        (dict(generation_kwargs={"top_k": 20}), "`top_k=20`"),
+    ],
+)
+def test_vllm_importance_sampling_with_truncation_warned(args_kw, shown):
+    args = make_args("grpo", use_vllm=True, **args_kw)
+    finding = VLLM_IS.check(make_setup("grpo", "qwen2", args=args))
+    assert finding.action == "warned" and shown in finding.message and "kept probability mass" in finding.message
+
+
+@pytest.mark.parametrize(
+    "args_kw",
+    [
+        dict(use_vllm=True),  # no truncation
+        dict(use_vllm=True, top_p=0.9, vllm_importance_sampling_correction=False),
+        dict(use_vllm=False, top_p=0.9),  # transformers generation: no importance-sampling correction
+        dict(use_vllm=True, top_p=0.9, generation_kwargs={"top_p": 1.0}),  # overridden back to no truncation
+    ],
+)
+def test_vllm_importance_sampling_silent(args_kw):
+    assert VLLM_IS.check(make_setup("grpo", "qwen2", args=make_args("grpo", **args_kw))) is None
+    assert truncated_sampling(make_args("grpo")) == []

@@ -1,0 +1,69 @@
+"""`memory.snapshot_fits`: the NaN guard rolls back from disk when its host copy would not fit in host memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from safe_trainers.guard import read_events
+from safe_trainers.guard.memory import RunShape, per_node_bytes
+from safe_trainers.rules.memory import HOST_MEMORY_SHARE, SnapshotFits
+from safe_trainers.rules.stages import built_view
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import Fault
+
+RULE = SnapshotFits()
+GIB = 2**30
+
+
+@pytest.fixture
+def trainer(toy_models, tmp_path):
+    return build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=[Fault(7, "weight")])
+
+
+def test_the_view_measures_this_runs_snapshot(trainer):
+    view = built_view(trainer)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    # One process, a full fine-tune in fp32: the weights and AdamW's two fp32 moments.
+    assert view.snapshot_strategy == "single"
+    assert view.snapshot_bytes_per_node == per_node_bytes(RunShape("dpo", params, params, "single")) == 12 * params
+    assert view.host_memory_available > 0
+
+
+@pytest.mark.parametrize("share,fixed", [(HOST_MEMORY_SHARE * 0.99, False), (HOST_MEMORY_SHARE * 1.01, True)])
+def test_switches_to_the_checkpoint_only_when_the_copy_would_not_fit(trainer, share, fixed):
+    view = built_view(trainer)
+    tight = dataclasses.replace(view, host_memory_available=int(view.snapshot_bytes_per_node / share))
+    finding = RULE.check_built(tight)
+    assert (finding is not None) is fixed
+    if fixed:
+        assert finding.action == "fixed"
+        assert [(c.path, c.old, c.new) for c in finding.changes] == [
+            ("safety_settings.nan_rollback_from", "memory", "checkpoint")
+        ]
+        assert "GiB per node" in finding.message and "memory.snapshot_fits" in finding.message
+
+
+def test_the_fix_makes_the_guard_roll_back_from_the_checkpoint(trainer, tmp_path):
+    view = built_view(trainer)
+    finding = RULE.check_built(dataclasses.replace(view, host_memory_available=view.snapshot_bytes_per_node))
+    RULE.apply_built(trainer, finding)
+    assert trainer.args.nan_rollback_from == "memory"  # the user's config is not touched
+    trainer.train()
+    rollback = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
+    assert [e["restored_step"] for e in rollback] == [4]  # the checkpoint, not the step-6 host copy
+    assert trainer.nan_guard.snapshotter.snapshot.params == {}
+
+
+@pytest.mark.parametrize("overrides", [{"nan_guard": False}, {"nan_rollback_from": "checkpoint"}])
+def test_nothing_to_do_without_a_host_copy(trainer, overrides):
+    view = built_view(trainer)
+    args = dataclasses.replace(trainer.args, **overrides)
+    assert RULE.check_built(dataclasses.replace(view, args=args, host_memory_available=1)) is None
+
+
+def test_a_typical_full_fine_tune_under_ddp_does_not_fit_on_a_typical_node():
+    # 7B full fine-tune on 8 GPUs of one node under DDP: each rank copies everything.
+    need = per_node_bytes(RunShape("7B full", 7_000_000_000, 7_000_000_000, "ddp", world_size=8))
+    assert need / GIB > 600
