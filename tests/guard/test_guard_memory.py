@@ -11,7 +11,7 @@ from peft import LoraConfig
 
 from safe_trainers.guard.memory import RunShape, memory_table, per_node_bytes, per_rank_bytes
 
-from trainer_utils import build  # tests/ is on sys.path, as for conftest
+from safe_trainers.testing.build import build_trainer
 
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -46,8 +46,8 @@ def test_unknown_strategy_is_refused():
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_estimate_matches_a_real_snapshot(lora, toy_models, tmp_path):
-    peft = {"trainer_peft_config": LoraConfig(target_modules=["q_proj", "v_proj"], r=4)} if lora else {}
-    trainer = build("sft", toy_models["qwen2"], tmp_path, max_steps=1, **peft)
+    peft = {"peft_config": LoraConfig(target_modules=["q_proj", "v_proj"], r=4)} if lora else {}
+    trainer = build_trainer("sft", toy_models["qwen2"], tmp_path, max_steps=1, trainer_kwargs=peft)
     trainer.train()
     snapshot = trainer.nan_guard.snapshotter.snapshot
     held = list(snapshot.params.values())
