@@ -43,6 +43,7 @@ class NanGuardTrainerMixin:
     step_progress: StepProgressCallback | None = None
     _staging_checkpoint = False
     _last_finite_total_loss = 0.0
+    _guard_window: tuple[float | None] | None = None  # closed by `_maybe_log_save_evaluate`, read by `log`
 
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
@@ -98,17 +99,21 @@ class NanGuardTrainerMixin:
             self.nan_guard.resumed_learning_rate(self.optimizer, self.lr_scheduler)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        if self.nan_guard is not None:
-            self.nan_guard.before_publishing(self.control)
+        guard = self.nan_guard
+        if guard is not None:
+            guard.before_publishing(self.control)
+            if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+                # The Trainer logs its loss window now, on every rank (as the ledger's collective needs); a
+                # `log({"loss": ...})` from anywhere else leaves the window alone.
+                self._guard_window = (guard.ledger.close_window(),)
         super()._maybe_log_save_evaluate(*args, **kwargs)
 
     # ------------------------------------------------------------------ logs
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         guard = self.nan_guard
         if guard is not None:
-            if "loss" in logs:
-                # The window closes where the Trainer logs it: every rank calls `log` here, as the collective needs.
-                window_loss = guard.ledger.close_window()
+            if "loss" in logs and self._guard_window is not None:  # the Trainer's own window log
+                (window_loss,), self._guard_window = self._guard_window, None
                 if window_loss is not None:
                     logs["loss"] = window_loss
                 # The Trainer's running totals must not stay NaN forever after a skipped step.

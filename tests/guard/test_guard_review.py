@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
 import torch
 from guard_utils import checkpoint_steps, read_json, weights_finite
 from transformers import TrainerCallback
@@ -155,3 +156,35 @@ def test_steps_without_a_learning_signal_do_not_feed_the_spike_statistics():
         signal = step % 10 in (0, 1)  # a learning signal on two steps in a row, one generation in five
         value = (0.01 * ((step * 7) % 5 - 2), 0.5 + 0.1 * ((step * 3) % 4)) if signal else (0.0, 0.0)
         assert not detector.update(*value), step
+
+
+class _UserLogsALoss(TrainerCallback):
+    """A callback that logs its own `loss` key mid-window (at step 3), as a user's code may."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            self.trainer.log({"loss": 123.0, "my_metric": 1.0})
+
+
+@pytest.mark.parametrize("user_log", [False, True])
+def test_a_users_own_loss_log_leaves_the_window_alone(toy_models, tmp_path, user_log):
+    # A window of 4 steps with a skipped step 2: only the Trainer's own window log is the ledger's to rewrite (and
+    # only it closes the window: in DDP, a log on one rank must not start a collective).
+    def window_losses(out, with_user):
+        trainer = build_trainer(
+            "dpo", toy_models["qwen2"], out, preset="guarded", faults=[Fault(step=2, kind="loss")], max_steps=4,
+            logging_steps=4, save_steps=100,
+        )  # fmt: skip
+        if with_user:
+            trainer.add_callback(_UserLogsALoss(trainer))
+        trainer.train()
+        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    reference = window_losses(tmp_path / "a", False)
+    logged = window_losses(tmp_path / "b", user_log)
+    assert math.isclose(logged[4], reference[4], rel_tol=1e-6) and math.isfinite(logged[4])
+    if user_log:
+        assert logged[3] == 123.0  # the user's value, as logged
