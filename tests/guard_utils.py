@@ -21,6 +21,10 @@ def nonfinite_in_checkpoints(output_dir: str) -> list[str]:
         tensors = [v for s in state["state"].values() for v in s.values() if torch.is_tensor(v)]
         if any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
             bad.append(path)
+    for pattern in ("pytorch_model_fsdp*.bin", "optimizer*.bin"):  # FSDP's FULL_STATE_DICT checkpoints
+        for path in glob.glob(os.path.join(output_dir, "**", pattern), recursive=True):
+            if not all_finite_nested(torch.load(path, weights_only=False)):
+                bad.append(path)
     for path in glob.glob(os.path.join(output_dir, "**", "*.distcp"), recursive=True):
         directory = os.path.dirname(path)
         if directory not in bad and not all_finite_dcp(directory):
@@ -38,7 +42,11 @@ def all_finite_dcp(directory: str) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "gathered.pt")
         dcp_to_torch_save(directory, path)
-        state = torch.load(path, weights_only=False)
+        return all_finite_nested(torch.load(path, weights_only=False), where=directory)
+
+
+def all_finite_nested(state, where: str = "") -> bool:
+    """Whether every floating tensor in a nested structure of dicts and lists is finite (at least one tensor)."""
     tensors = []
     stack = [state]
     while stack:
@@ -49,7 +57,7 @@ def all_finite_dcp(directory: str) -> bool:
             stack.extend(node.values())
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
-    assert tensors, f"no tensor in {directory}"
+    assert tensors, f"no tensor in {where}"
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 

@@ -21,11 +21,8 @@ from guard_utils import checkpoint_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
-# The settings of configs/accelerate/fsdp2.yaml, with full state dicts (gathered on rank 0) instead of shards.
-FSDP2 = [
-    "--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp2.yaml"),
-    "--fsdp_state_dict_type", "FULL_STATE_DICT",
-]  # fmt: skip
+# The shipped config (full state dicts, gathered on rank 0).
+FSDP2 = ["--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp2.yaml")]
 
 
 def free_port() -> int:

@@ -72,15 +72,19 @@ def test_fsdp2_resume_continues_the_batch_stream(faulty_run, tmp_path):
     assert not nonfinite_in_checkpoints(str(tmp_path / "out"))
 
 
-def test_fsdp2_persistent_fault_aborts_with_a_clean_checkpoint(tmp_path):
-    results = launch_fsdp2(["weight:3:1"], tmp_path, "--max_rollbacks", "0")
+def test_fsdp2_grpo_persistent_fault_aborts_with_full_state_dicts(tmp_path):
+    # GRPO under FSDP2 with checkpoints and the final model gathered on rank 0 (FULL_STATE_DICT, as the shipped
+    # configs/accelerate/fsdp2.yaml). A NaN written into rank 1's shard at step 3, no rollback allowed: GRPO verifies
+    # the weights before it samples step 3's completions, finds the damage, and the abort puts back step 2's state.
+    results = launch(torchrun(), "grpo", ["weight:3:1"], tmp_path, "--fsdp", "FULL_STATE_DICT", "--max_rollbacks", "0",
+                     "--save_final")  # fmt: skip
     run = tmp_path / "out" / "run"
-    assert [r["outcome"] for r in results] == [f"diverged: {run / 'checkpoint-3'}"] * 2
+    assert [r["outcome"] for r in results] == [f"diverged: {run / 'checkpoint-2'}"] * 2
     assert all(r["finite"] for r in results) and results[0]["checksum"] == results[1]["checksum"]
     events = read_events(str(run))
-    assert [(e["step"], e["kind"]) for e in events] == [(3, "skip"), (3, "abort")]
-    assert events[-1]["restored_step"] == 2
-    assert os.path.isdir(run / "checkpoint-3" / "pytorch_model_fsdp_0")
+    assert [(e["step"], e["kind"], e["restored_step"]) for e in events] == [(2, "abort", 2)]
+    assert {"model.safetensors", "pytorch_model_fsdp.bin", "optimizer.bin"} <= set(os.listdir(run / "checkpoint-2"))
+    assert os.path.isfile(tmp_path / "out" / "final" / "model.safetensors")  # `save_model` after the abort
     assert not nonfinite_in_checkpoints(str(tmp_path / "out"))
 
 

@@ -26,11 +26,16 @@ def enable() -> None:
     @functools.wraps(_ORIGINAL_INIT)
     def init(self, *args, fsdp_plugin=None, **kwargs):
         _ORIGINAL_INIT(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
+        if self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if fsdp_plugin is not None:
             if self._mixed_precision != "no":
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
+        # Also on later `AcceleratorState()` calls (TRL's GRPO seeds per device through one), which re-derive the
+        # distributed type from the shared state.
+        if getattr(self, "fsdp_plugin", None) is not None:
+            self.distributed_type = DistributedType.FSDP
 
     init._fsdp_on_cpu = True
     AcceleratorState.__init__ = init
