@@ -239,6 +239,8 @@ def main(kind: str, argv: list[str] | None = None) -> Trainer:
     script_args, training_args, model_args = parse_args(kind, argv)
     trainer = build_trainer(kind, script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if trainer.is_fsdp_enabled:  # with sharded state dicts, transformers' `save_model` writes no model under FSDP
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"safe_trainers: model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
