@@ -1,10 +1,11 @@
 """The last good state kept on disk: a rollback reloads the newest verified checkpoint instead of a host copy.
 
 For runs whose weights and optimizer state do not fit in host memory next to training (large full fine-tunes),
-`nan_rollback_from="checkpoint"` keeps no snapshot in memory. A rollback then loads the weights and optimizer state of
-the newest checkpoint this run published (every checkpoint is verified finite before it is published, see
-`trainer_hooks.py`), through the Trainer's own resume code, so every backend that resumes (single process, DDP,
-DeepSpeed ZeRO, FSDP2, PEFT adapters) rolls back the same way. The contract is the in-memory one (weights and
+`nan_rollback_from="checkpoint"` keeps no snapshot in memory. A rollback then loads the weights and optimizer state
+of the newest checkpoint this run published or resumed from (every checkpoint is verified finite before it is
+published, see `trainer_hooks.py`), through the Trainer's own resume code, so every backend that resumes (single
+process, DDP, DeepSpeed ZeRO, FSDP2, PEFT adapters) rolls back the same way. An earlier run's checkpoints left in the
+same `output_dir` are never used. The contract is the in-memory one (weights and
 optimizer state come back, with the best-model fields of that checkpoint; `global_step`, the data position, the LR
 schedule and the RNG streams go on), at the cost of a slower restore and of discarding the steps since the last
 checkpoint rather than since the last snapshot. A run that has no checkpoint yet publishes one when training starts
@@ -19,43 +20,51 @@ from typing import Any
 
 from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
-from .checkpoint import checkpoint_step, checkpoints
+from .checkpoint import checkpoint_step
 from .snapshot import BEST_MODEL_FIELDS, Snapshot, _groups
 
 TRAINER_STATE_FILE = "trainer_state.json"
 
 
-def newest_checkpoint(run_dir: str, at_most: int) -> str | None:
-    """The newest published `checkpoint-N` of `run_dir` with `N <= at_most` (a checkpoint of a later, discarded
-    timeline is never a rollback target), or `None`."""
-    found = [path for path in checkpoints(run_dir) if checkpoint_step(path) <= at_most]
-    return found[-1] if found else None
-
-
 class CheckpointSnapshotter:
-    """Takes no copy; restores the newest published checkpoint of the run (same interface as [`Snapshotter`]).
+    """Takes no copy; restores the newest checkpoint of this run's timeline (same interface as [`Snapshotter`]).
+
+    Only checkpoints this run published, and the checkpoint it resumed from, are good states: an earlier run's
+    checkpoints left in the same `output_dir` never are.
 
     Args:
         trainer (`transformers.Trainer`): the trainer whose checkpoints are the good states.
         optimizer: the optimizer the guard checks (torch's, or DeepSpeed's ZeRO optimizer).
         deepspeed_stage (`int | None`): the ZeRO stage when DeepSpeed owns the optimizer, else `None`.
+        resumed_from (`str | None`): the checkpoint `train()` resumed from, if any.
     """
 
-    def __init__(self, trainer: Any, optimizer: Any, deepspeed_stage: int | None = None):
+    def __init__(
+        self, trainer: Any, optimizer: Any, deepspeed_stage: int | None = None, resumed_from: str | None = None
+    ):
         self.trainer = trainer
         self.model = trainer.model
         self.optimizer = optimizer
         self.deepspeed_stage = deepspeed_stage
         self.snapshot = Snapshot()
+        self.good: list[str] = []
+        if resumed_from is not None and os.path.isdir(resumed_from):
+            self.good.append(resumed_from)
 
-    def run_dir(self) -> str:
-        return self.trainer._get_output_dir(trial=None)
+    def published(self, path: str) -> None:
+        """The trainer published a verified checkpoint of this run."""
+        self.good.append(path)
+
+    def newest_good(self, at_most: int) -> str | None:
+        """The newest good checkpoint at or before step `at_most` still on disk (rotation may have removed some)."""
+        found = [p for p in self.good if os.path.isdir(p) and (checkpoint_step(p) or 0) <= at_most]
+        return max(found, key=lambda p: checkpoint_step(p) or 0) if found else None
 
     def take(self, state: Any) -> Snapshot:
-        """Record that the state of this step is good; at the first call of a run with no checkpoint at or before
-        this step, publish one (the only good state there is to go back to)."""
-        if newest_checkpoint(self.run_dir(), state.global_step) is None:
-            self.trainer._save_checkpoint(self.trainer.model_wrapped, trial=None)
+        """Record that the state of this step is good; at the first call of a run with no good checkpoint at or
+        before this step, publish one (the only good state there is to go back to)."""
+        if self.newest_good(state.global_step) is None:
+            self.trainer._save_checkpoint(self.trainer.model_wrapped, trial=None)  # calls `published`
         self.snapshot.step = state.global_step
         return self.snapshot
 
@@ -63,24 +72,28 @@ class CheckpointSnapshotter:
         """Nothing to refresh: a restore takes the best-model fields from the checkpoint it loads."""
 
     def restore(self, state: Any) -> Snapshot:
-        """Load the weights and optimizer state of the newest checkpoint at or before this step, keep the LR schedule
-        and the optimizer's hyperparameters as they are now, and take the checkpoint's best-model fields."""
+        """Load the weights and optimizer state of the newest good checkpoint at or before this step, keep the LR
+        schedule and the optimizer's hyperparameters as they are now, and take the checkpoint's best-model fields. A
+        checkpoint saved without optimizer state (`save_only_model=True`) resets the optimizer state instead."""
         trainer = self.trainer
-        path = newest_checkpoint(self.run_dir(), state.global_step)
+        path = self.newest_good(state.global_step)
         if path is None:
             raise RuntimeError(
-                f"No good state to restore: no published checkpoint at or before step {state.global_step} in "
-                f"{self.run_dir()}."
+                f"No good state to restore: no checkpoint of this run at or before step {state.global_step}."
             )
         schedule = trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None
         live_groups = [{k: v for k, v in g.items() if k != "params"} for g in _groups(self.optimizer)]
+        with_optimizer = any(name.startswith("optimizer") for name in os.listdir(path))
         # What the Trainer does when it resumes inside its training loop, once the model is wrapped.
         if trainer.is_deepspeed_enabled:  # the engine loads its optimizer (and scheduler) with the weights
             strict = getattr(trainer.model, "peft_config", None) is None
             deepspeed_load_checkpoint(trainer.model_wrapped, path, load_module_strict=strict)
         else:
             trainer._load_from_checkpoint(path, trainer.model_wrapped if trainer.is_fsdp_enabled else None)
-        trainer._load_optimizer_and_scheduler(path)
+            if with_optimizer:
+                trainer._load_optimizer_and_scheduler(path)
+            else:
+                self.optimizer.state.clear()  # fresh moments, as a run resumed from such a checkpoint has
         if schedule is not None:
             trainer.lr_scheduler.load_state_dict(schedule)
         for group, live in zip(_groups(self.optimizer), live_groups):
@@ -89,8 +102,8 @@ class CheckpointSnapshotter:
             saved = json.load(f)
         for key in BEST_MODEL_FIELDS:
             setattr(state, key, saved.get(key))
-        self.snapshot.step = checkpoint_step(path)
+        self.snapshot.step = checkpoint_step(path) or 0
         return self.snapshot
 
 
-__all__ = ["CheckpointSnapshotter", "newest_checkpoint"]
+__all__ = ["CheckpointSnapshotter"]

@@ -58,6 +58,7 @@ class NanGuard:
         self.spike: SpikeDetector | None = None
         self.replaying = False
         self.snapshotter: Snapshotter | CheckpointSnapshotter | None = None
+        self.resumed_from: str | None = None
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags = StepFlags()
@@ -78,6 +79,7 @@ class NanGuard:
         moved = self.events.start_run(resumed_at=resumed_at)
         if moved:
             logger.info(f"NaN guard: the previous run's event log was kept as {moved}.")
+        self.resumed_from = resume_from
         saved = GuardState.load(resume_from) if resume_from is not None else None
         self.state = saved or GuardState(learning_rate=self.trainer.args.learning_rate)
         self.rollbacks_this_run = 0
@@ -89,7 +91,9 @@ class NanGuard:
         """Called at `on_train_begin`: bind to the optimizer and take the first snapshot."""
         backend = training_backend(self.trainer)
         if self.settings.nan_rollback_from == "checkpoint":
-            self.snapshotter = CheckpointSnapshotter(self.trainer, backend.optimizer, backend.zero_stage)
+            self.snapshotter = CheckpointSnapshotter(
+                self.trainer, backend.optimizer, backend.zero_stage, resumed_from=self.resumed_from
+            )
         else:
             self.snapshotter = Snapshotter(self.trainer.model, backend.optimizer, backend.zero_stage)
         self.flags = StepFlags(backend.loss_scaled)

@@ -97,6 +97,9 @@ class Snapshotter:
             snap.ready.record()
         return snap
 
+    def published(self, path: str) -> None:
+        """The trainer published a checkpoint: nothing to do, the host copy is the last good state."""
+
     def refresh_best_fields(self, state: Any) -> None:
         """Record the best-model fields as they are now, for the weights already in the snapshot."""
         self.snapshot.counters = {k: getattr(state, k) for k in BEST_MODEL_FIELDS if hasattr(state, k)}

@@ -163,6 +163,8 @@ class NanGuardTrainerMixin:
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_FILE))  # with the published best path
             guard.state.save(staged)
             publish(staged, final)
+        if guard.snapshotter is not None:
+            guard.snapshotter.published(final)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub:
             self._push_from_checkpoint(final)

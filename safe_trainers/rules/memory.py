@@ -12,7 +12,7 @@ GIB = 2**30
 
 
 class SnapshotFits(Rule):
-    """The NaN guard's host copy of the weights and optimizer state must fit in host memory, or it rolls back from disk.
+    """The NaN guard's host copy of the training state must fit in host memory, or it rolls back from disk.
 
     What it changes:
         `nan_rollback_from` becomes `"checkpoint"` (the guard keeps no host copy and a rollback reloads the newest
@@ -32,7 +32,7 @@ class SnapshotFits(Rule):
     """
 
     id = "memory.snapshot_fits"
-    summary = "The NaN guard's host snapshot must fit in host memory; otherwise it rolls back from the newest checkpoint."
+    summary = "The NaN guard's host snapshot must fit in host memory, else it rolls back from the newest checkpoint."
     rationale = "https://arxiv.org/abs/1910.02054"  # ZeRO, section 3.1: Adam keeps 12-16 bytes per parameter
 
     def check_built(self, built) -> Finding | None:

@@ -66,9 +66,10 @@ def run_built_rules(
         return
     enabled, _ = select_rules(trainer._safety_kind, settings, rules)
     owners = {rule.id: rule for rule in enabled}
+    facts = snapshot_facts(trainer)  # once: it measures the machine and agrees across ranks
 
     def check(rule: Rule, target: Any) -> Any:
-        return rule.check_built(built_view(target, source_rows))
+        return rule.check_built(built_view(target, source_rows, facts))
 
     def apply(target: Any, finding: Finding) -> Any:
         owners[finding.rule_id].apply_built(target, finding)
@@ -77,8 +78,8 @@ def run_built_rules(
     run_stage(trainer, enabled, settings.safety_mode, report, check=check, apply=apply)
 
 
-def built_view(trainer: Any, source_rows: int | None = None) -> BuiltTrainer:
-    """The read-only [`BuiltTrainer`] the built-stage rules inspect."""
+def built_view(trainer: Any, source_rows: int | None = None, facts: dict[str, Any] | None = None) -> BuiltTrainer:
+    """The read-only [`BuiltTrainer`] the built-stage rules inspect; `facts`: [`snapshot_facts`] if already taken."""
     peft_config = getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default")
     return BuiltTrainer(
         kind=trainer._safety_kind,
@@ -89,7 +90,7 @@ def built_view(trainer: Any, source_rows: int | None = None) -> BuiltTrainer:
         processing_class=getattr(trainer, "processing_class", None),
         ref_model=getattr(trainer, "ref_model", None),
         peft_config=peft_config,
-        **snapshot_facts(trainer),
+        **(facts if facts is not None else snapshot_facts(trainer)),
 )
 
 
@@ -135,8 +136,19 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
     return {
         "snapshot_strategy": strategy,
         "snapshot_bytes_per_node": per_node_bytes(shape),
-        "host_memory_available": psutil.virtual_memory().available,
+        "host_memory_available": least_across_ranks(psutil.virtual_memory().available),
     }
+
+
+def least_across_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (a collective in a distributed run), so that every rank decides alike."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return min(values)
 
 
 def local_ranks(world_size: int) -> int:
@@ -152,4 +164,12 @@ def local_ranks(world_size: int) -> int:
     return max(1, min(world_size, torch.cuda.device_count()))
 
 
-__all__ = ["built_rule_ids", "built_view", "local_ranks", "run_built_rules", "run_setup_rules", "snapshot_facts"]
+__all__ = [
+    "built_rule_ids",
+    "built_view",
+    "least_across_ranks",
+    "local_ranks",
+    "run_built_rules",
+    "run_setup_rules",
+    "snapshot_facts",
+]

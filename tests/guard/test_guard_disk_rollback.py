@@ -11,6 +11,7 @@ import pytest
 import torch
 from guard_utils import checkpoint_steps, nonfinite_in_checkpoints, weights_finite
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 from test_guard_distributed import ZERO3, accelerate_ddp, check_in_sync, deepspeed_launcher, launch
 from test_guard_fsdp2 import torchrun
 
@@ -101,3 +102,41 @@ def test_two_ranks_roll_back_to_the_same_checkpoint(tmp_path, launcher):
 def test_an_unknown_rollback_source_names_the_choices(tmp_path):
     with pytest.raises(ValueError, match=r"`nan_rollback_from` must be one of \['memory', 'checkpoint'\], got 'disk'"):
         st.DPOConfig(output_dir=str(tmp_path), nan_rollback_from="disk")
+
+
+def test_an_earlier_runs_checkpoints_are_never_a_rollback_target(toy_models, tmp_path):
+    # Run A (another learning rate) left checkpoints every 2 steps in the same output_dir. Run B rolls back from disk
+    # at step 7: its own good states are checkpoint-0 (published at its start), not A's checkpoint-6.
+    build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", save_steps=2, learning_rate=5e-2).train()
+    assert checkpoint_steps(str(tmp_path)) == [2, 4, 6, 8, 10]
+    trainer = from_disk("dpo", toy_models, tmp_path, [Fault(step=7, kind="weight")], save_steps=100)
+    trainer.train()
+    rollback = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
+    assert [e["restored_step"] for e in rollback] == [0] and weights_finite(trainer)
+
+
+class _DamageMoments(TrainerCallback):
+    """A bad update of the optimizer state: right after step `step`'s update, one Adam moment holds a NaN."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step + 1 == self.step:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            next(iter(inner.state.values()))["exp_avg"].view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("save_only_model", [False, True])
+def test_damaged_optimizer_state_is_restored_or_reset(toy_models, tmp_path, save_only_model):
+    # NaN in an Adam moment after step 7 (weights still finite): the rollback loads checkpoint-4's moments, or, when
+    # checkpoints hold no optimizer state (`save_only_model=True`), starts them afresh as a resume from such a
+    # checkpoint does; never keeps the damaged ones.
+    trainer = from_disk("dpo", toy_models, tmp_path, [], save_only_model=save_only_model)
+    trainer.add_callback(_DamageMoments(7))
+    trainer.train()
+    rollback = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
+    assert [e["restored_step"] for e in rollback] == [4]
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    assert moments and all(bool(torch.isfinite(m).all()) for m in moments) and weights_finite(trainer)
