@@ -90,8 +90,10 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             callbacks = self.callback_handler.callbacks
             flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
             callbacks.insert(flow + 1, NanGuardCallback(self.nan_guard))
+            # Before the guard's: a step is over (for the step record) before the guard inspects, snapshots or
+            # rolls back, so a death there is never blamed on the step's data.
             self.step_progress = StepProgressCallback(self.nan_guard)
-            self.add_callback(self.step_progress)
+            callbacks.insert(flow + 1, self.step_progress)
 
     def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
         model = arguments.get("model")

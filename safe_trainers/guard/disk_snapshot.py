@@ -64,7 +64,7 @@ class CheckpointSnapshotter:
         """Record that the state of this step is good; at the first call of a run with no good checkpoint at or
         before this step, publish one (the only good state there is to go back to)."""
         if self.newest_good(state.global_step) is None:
-            self.trainer._save_checkpoint(self.trainer.model_wrapped, trial=None)  # calls `published`
+            self.trainer.save_starting_checkpoint()  # calls `published`
         self.snapshot.step = state.global_step
         return self.snapshot
 

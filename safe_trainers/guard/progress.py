@@ -48,11 +48,19 @@ class Poisoned:
 
 @dataclass(frozen=True)
 class History:
-    """What a process inherits from the earlier processes of its run."""
+    """What a process inherits from the earlier processes of its run.
+
+    `launch`, `started` and `origin` say which launch the run's record belongs to (see `restart.launch_identity`),
+    when that launch began training, and the checkpoint it began from: a restarted process trusts only its own
+    launch's record and checkpoints, never those an earlier run left in the same `output_dir`.
+    """
 
     attempt: int = 0
     deaths: tuple[Death, ...] = ()
     poisoned: tuple[Poisoned, ...] = ()
+    launch: str = ""
+    started: float = 0.0
+    origin: str | None = None
 
     def poisoned_step(self, step: int) -> Poisoned | None:
         return next((p for p in self.poisoned if p.step == step), None)
@@ -67,7 +75,7 @@ class Progress:
         step (`int`): the step running (`phase="step"`) or last finished (`"between"`, `"finished"`: training ended).
         phase (`str`): `"step"`, `"between"` or `"finished"`.
         data (`str`): what makes a step number name the same batches (see [`data_identity`]).
-        deaths, poisoned: the run's history so far (see [`History`]).
+        deaths, poisoned, launch, started, origin: the run's history so far (see [`History`]).
     """
 
     attempt: int
@@ -76,6 +84,9 @@ class Progress:
     data: str
     deaths: tuple[Death, ...] = ()
     poisoned: tuple[Poisoned, ...] = ()
+    launch: str = ""
+    started: float = 0.0
+    origin: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> "Progress":
@@ -104,7 +115,7 @@ def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: 
     found = poison(deaths, skip_after)
     if found is not None and all(p.step != found.step for p in poisoned):
         poisoned += (found,)
-    return History(previous.attempt + 1, deaths, poisoned)
+    return History(previous.attempt + 1, deaths, poisoned, previous.launch, previous.started, previous.origin)
 
 
 def poison(deaths: tuple[Death, ...], times: int) -> Poisoned | None:
@@ -146,7 +157,8 @@ class ProgressWriter:
         self._fd = os.open(os.path.join(output_dir, PROGRESS_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
         os.ftruncate(self._fd, 0)
         rest = json.dumps({"data": data, "deaths": [asdict(d) for d in history.deaths],
-                           "poisoned": [asdict(p) for p in history.poisoned]})  # fmt: skip
+                           "poisoned": [asdict(p) for p in history.poisoned], "launch": history.launch,
+                           "started": history.started, "origin": history.origin})  # fmt: skip
         self._head = f'{{"attempt": {history.attempt}, "step": '
         self._tail = f'", {rest[1:]}'
         self._size = 0

@@ -161,13 +161,19 @@ def abort(
     }
     events.add(NanEvent(restored.at_step, "abort", [verdict.rollback or "unknown"], [], detail))
     head = (
-        f"Training diverged: step {verdict.fault_step} started a fault ({verdict.rollback}) after "
+        f"Training diverged: {where_it_started(verdict, restored.at_step)} ({verdict.rollback}) after "
         f"{rollbacks_this_run} rollback(s) (`nan_max_rollbacks={settings.nan_max_rollbacks}`); every event is in "
         f"{events.path}."
     )
     raise TrainingDivergedError(
         abort_message(head, restored, checkpoint, state.lr_scale), checkpoint_dir=checkpoint, report_path=events.path
     )
+
+
+def where_it_started(verdict: Verdict, at_step: int) -> str:
+    if verdict.fault_step is None:  # the state was found damaged with no faulty step (e.g. before a generation)
+        return f"the weights or optimizer state were found non-finite at step {at_step}"
+    return f"step {verdict.fault_step} started a fault"
 
 
 def abort_message(head: str, restored: Restored, checkpoint: str | None, lr_scale: float) -> str:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from accelerate.utils import broadcast_object_list
@@ -25,7 +27,7 @@ from accelerate.utils import broadcast_object_list
 from .checkpoint import checkpoint_step
 from .events import NanEvent
 from .progress import History, Progress, data_identity, inherit, read_progress
-from .resume import CheckpointChoice, PassedOver, choose_checkpoint
+from .resume import CheckpointChoice, PassedOver, checkpoint_problem, choose_checkpoint
 
 if TYPE_CHECKING:
     from .guard import NanGuard
@@ -81,19 +83,54 @@ def plan_resume(
     resume_on_restart: bool = True,
     skip_after: int = 2,
     data: str = "",
-    choose: Callable[[str], CheckpointChoice] = choose_checkpoint,
+    launch: str = "",
+    now: float = 0.0,
+    choose: Callable[..., CheckpointChoice] = choose_checkpoint,
     previous: Callable[[str], Progress | None] = read_progress,
 ) -> ResumePlan:
-    """Decide how `train()` starts (see the module docstring). `choose` and `previous` read `output_dir`."""
+    """Decide how `train()` starts (see the module docstring). `choose` and `previous` read `output_dir`; `launch`
+    identifies this launch ([`launch_identity`]) and `now` is the time, for a launch's first record.
+
+    A restarted process trusts only its own launch's record: with none (the launch died before it began training,
+    or the record in `output_dir` is an earlier run's), it starts over, as without an elastic agent; with one, it
+    resumes from the newest healthy checkpoint this launch wrote or began from, never an earlier run's.
+    """
     restart = restart_count(env)
     reason = resume_reason(requested, restart, resume_on_restart)
-    if reason in ("requested", "restart"):
+    record = previous(output_dir)
+    own = record is not None and record.launch == launch
+    if reason == "restart" and not own:
+        return ResumePlan(None, reason, restart, (), History(launch=launch, started=now), data)
+    if reason == "restart":
+        choice = choose(output_dir, this_launchs(record))
+    elif reason == "requested":
         choice = choose(output_dir)
     else:
         choice = CheckpointChoice(requested if reason == "explicit" else None)
     continuing = reason != "new" or restart > 0
-    history = inherit(previous(output_dir), continuing, data, skip_after)
+    history = inherit(record, continuing, data, skip_after)
+    if not history.launch or reason != "restart":  # a launch's first process: its own record starts here
+        history = replace(history, launch=launch, started=now, origin=choice.path)
     return ResumePlan(choice.path, reason, restart, choice.passed_over, history, data)
+
+
+def this_launchs(record: Progress) -> Callable[[str], str | None]:
+    """A checkpoint `problem` for a restart: an earlier run's checkpoint (written before this launch began training,
+    and not the one it began from) is passed over, every other is checked as usual."""
+
+    def problem(path: str) -> str | None:
+        state = os.path.join(path, "trainer_state.json")
+        if path != record.origin and os.path.isfile(state) and os.path.getmtime(state) < record.started:
+            return "an earlier run's (written before this launch began training)"
+        return checkpoint_problem(path)
+
+    return problem
+
+
+def launch_identity(env: Mapping[str, str]) -> str:
+    """Which launch this process belongs to: the elastic agent's run id and process (every restart of one launch has
+    the same agent as parent) on this host."""
+    return f"{socket.gethostname()}:{os.getppid()}:{env.get('TORCHELASTIC_RUN_ID', '')}"
 
 
 def resolve_run(trainer: Any, requested: str | bool | None) -> ResumePlan:
@@ -110,6 +147,8 @@ def resolve_run(trainer: Any, requested: str | bool | None) -> ResumePlan:
             resume_on_restart=getattr(settings, "resume_on_restart", True),
             skip_after=getattr(settings, "skip_step_after_crashes", 2),
             data=data_identity(args, rows),
+            launch=launch_identity(os.environ),
+            now=time.time(),
         )
     plan = broadcast_object_list([plan])[0]
     if plan.reason == "requested" and plan.checkpoint is None:

@@ -7,8 +7,9 @@ the batches it would have) but not trained: no forward, no backward, no update. 
 (`nan_guard/skipped_steps`, a `skip` event) and a `poison` event says which batches and which attempts died on them;
 `global_step` and the LR schedule go on, as for any skipped step, and the run ends at `max_steps`.
 
-Under DeepSpeed the engine counts micro-batches in its own backward, so a step cannot be left out: a poisoned step is
-reported (`"skipped": false`) and trained.
+Under DeepSpeed the engine counts micro-batches in its own backward, and GRPO/RLOO serving several optimizer steps from
+one generation buffer index it by the steps trained, so there a step cannot be left out: a poisoned step is reported
+(`"skipped": false`) and trained.
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ class StepProgressCallback(TrainerCallback):
         self.dropping = False
         self._writer: ProgressWriter | None = None
 
-    def start(self, history: History, data: str) -> None:
-        """Called by `train()` with what this process inherits from the run's earlier processes."""
+    def start(self, history: History, data: str, step: int = 0) -> None:
+        """Called by `train()` with what this process inherits from the run's earlier processes, and the step it
+        resumes at. The record is written at once (between steps): a death while the run starts up (loading,
+        wrapping the model, the first snapshot) keeps the run's history and is never blamed on a step's data."""
         self.history, self.dropping = history, False
         trainer = self.guard.trainer
         if self._writer is not None:
             self._writer.close()
         main = trainer.is_world_process_zero()
         self._writer = ProgressWriter(trainer.args.output_dir, history, data) if main else None
+        self._save(step, "between")
 
     @staticmethod
     def dropped_loss(device: Any) -> torch.Tensor:
@@ -59,7 +63,7 @@ class StepProgressCallback(TrainerCallback):
         step = state.global_step + 1
         poisoned = self.history.poisoned_step(step)
         if poisoned is not None:
-            self.dropping = not self.guard.trainer.is_deepspeed_enabled
+            self.dropping = can_leave_out_a_step(self.guard.trainer)
             self._report(step, poisoned, args.gradient_accumulation_steps)
         self._save(step, "step")
 
@@ -92,6 +96,18 @@ class StepProgressCallback(TrainerCallback):
             )
         else:
             logger.error(
-                f"Step {step}'s batches killed the training process in attempts {attempts} in a row, but under "
-                "DeepSpeed a step cannot be left out: they are trained again."
+                f"Step {step}'s batches killed the training process in attempts {attempts} in a row, but this run "
+                "cannot leave a step out (DeepSpeed counts micro-batches in its own backward; GRPO/RLOO with "
+                "`steps_per_generation` above `gradient_accumulation_steps` or `num_iterations` > 1 index their "
+                "generation buffer by step): they are trained again."
             )
+
+
+def can_leave_out_a_step(trainer: Any) -> bool:
+    """Whether a step's micro-batches can be taken from the dataloader and not trained, leaving every other step's
+    batches as they were: not under DeepSpeed, nor when GRPO/RLOO serve several optimizer steps from one generation
+    buffer, which they index by the steps actually trained."""
+    args = trainer.args
+    accumulation = args.gradient_accumulation_steps
+    spans_steps = (getattr(args, "steps_per_generation", None) or accumulation) > accumulation
+    return not trainer.is_deepspeed_enabled and not spans_steps and getattr(args, "num_iterations", 1) <= 1

@@ -26,7 +26,7 @@ import torch
 from transformers.trainer_utils import rotate_checkpoints
 
 from ..errors import NonFiniteWeightsError
-from .checkpoint import STAGING_DIR, all_finite, clean_staging, publish, staging_run_dir
+from .checkpoint import STAGING_DIR, all_finite, checkpoint_step, clean_staging, publish, staging_run_dir
 from .guard import NanGuard
 from .recovery import refuse_save
 from .restart import record_resume, resolve_run
@@ -42,6 +42,7 @@ class NanGuardTrainerMixin:
     nan_guard: NanGuard | None = None
     step_progress: StepProgressCallback | None = None
     _staging_checkpoint = False
+    _starting_checkpoint = False
     _last_finite_total_loss = 0.0
     _guard_window: tuple[float | None] | None = None  # closed by `_maybe_log_save_evaluate`, read by `log`
 
@@ -57,7 +58,7 @@ class NanGuardTrainerMixin:
             guard.start_run(plan.checkpoint)
             record_resume(guard, plan)
             if self.step_progress is not None:
-                self.step_progress.start(plan.history, plan.data)
+                self.step_progress.start(plan.history, plan.data, checkpoint_step(plan.checkpoint or "") or 0)
         output = super().train(
             resume_from_checkpoint=plan.checkpoint,
             trial=trial,
@@ -166,7 +167,7 @@ class NanGuardTrainerMixin:
         if guard.snapshotter is not None:
             guard.snapshotter.published(final)
         self.accelerator.wait_for_everyone()
-        if self.args.push_to_hub:
+        if self.args.push_to_hub and not self._starting_checkpoint:
             self._push_from_checkpoint(final)
         if self.args.should_save:
             rotate_checkpoints(
@@ -175,6 +176,15 @@ class NanGuardTrainerMixin:
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=False,
             )
+
+    def save_starting_checkpoint(self) -> None:
+        """Publish the state training starts from as a checkpoint, for `nan_rollback_from="checkpoint"` (verified
+        and staged like any checkpoint; not uploaded to the Hub)."""
+        self._starting_checkpoint = True
+        try:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        finally:
+            self._starting_checkpoint = False
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if self.nan_guard is not None and self.args.should_save:

@@ -42,6 +42,7 @@ class SnapshotFits(Rule):
         if built.snapshot_bytes_per_node is None or built.host_memory_available is None:
             return None
         need, available = built.snapshot_bytes_per_node, built.host_memory_available
+        no_saves = str(getattr(args, "save_strategy", "steps")).endswith("no")
         if need <= HOST_MEMORY_SHARE * available:
             return None
         return self.fixed(
@@ -49,8 +50,9 @@ class SnapshotFits(Rule):
             f"({built.snapshot_strategy}), more than half of the {available / GIB:,.1f} GiB of host memory available: "
             "it now rolls back to the newest verified checkpoint instead (`nan_rollback_from=\"checkpoint\"`: no "
             "host copy, a slower restore, the steps since that checkpoint are discarded). Save often enough "
-            "(`save_steps`) for that to cost little, or free host memory and set "
-            "`safety_disable_rules=[\"memory.snapshot_fits\"]`.",
+            "(`save_steps`) for that to cost little"
+            + (", since with `save_strategy=\"no\"` a rollback goes back to the start" if no_saves else "")
+            + ", or free host memory and set `safety_disable_rules=[\"memory.snapshot_fits\"]`.",
             Change("safety_settings.nan_rollback_from", "memory", "checkpoint"),
             needed_bytes=need,
             available_bytes=available,

@@ -9,6 +9,7 @@ SIGKILLs itself when it feeds the model a micro-batch of a chosen step, in chose
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import subprocess
 import sys
@@ -70,12 +71,22 @@ def test_a_new_process_inherits_the_record_of_the_one_that_died(tmp_path):
 
 def test_plan_resume_from_the_launchers_restart_count():
     chosen = CheckpointChoice("out/checkpoint-4")
+    ours = Progress(1, 6, "step", "", launch="host:7:run", started=100.0)
 
-    def plan(requested, env, **kwargs):
-        return plan_resume(requested, env, "out", choose=lambda _: chosen, previous=lambda _: None, **kwargs)
+    def plan(requested, env, record=ours, **kwargs):
+        return plan_resume(
+            requested, env, "out", launch="host:7:run", now=200.0, choose=lambda *_: chosen, previous=lambda _: record,
+            **kwargs,
+        )  # fmt: skip
 
     restarted = {"TORCHELASTIC_RESTART_COUNT": "2"}
     assert (plan(None, restarted).checkpoint, plan(None, restarted).reason) == ("out/checkpoint-4", "restart")
+    assert plan(None, restarted).history.attempt == 2 and plan(None, restarted).history.started == 100.0
+    # A restart trusts only its own launch's record: none (the launch died before training), or an earlier run's,
+    # means this launch trained nothing yet: it starts over, with a history of its own.
+    for record in (None, replace(ours, launch="host:3:run")):
+        fresh = plan(None, restarted, record=record)
+        assert (fresh.checkpoint, fresh.history.deaths, fresh.history.launch) == (None, (), "host:7:run")
     assert plan(None, restarted, resume_on_restart=False).checkpoint is None
     assert plan(None, {"TORCHELASTIC_RESTART_COUNT": "0"}).reason == "new"
     assert plan(None, {}).checkpoint is None
