@@ -155,7 +155,8 @@ class NanGuard:
         snapshot_due = step % self.settings.nan_snapshot_steps == 0
         publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
         publishing = publishing or syncs_reference_model(trainer.args, step)
-        if control.should_log or publishing or snapshot_due or len(self.flags.pending) >= self.settings.nan_snapshot_steps:
+        backlog = len(self.flags.pending) >= self.settings.nan_snapshot_steps
+        if control.should_log or publishing or snapshot_due or backlog:
             return self.inspect(control, verify=publishing or snapshot_due, snapshot=publishing or snapshot_due)
         return None
 

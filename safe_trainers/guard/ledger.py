@@ -51,8 +51,8 @@ class LossLedger:
     def close_window(self) -> float | None:
         """When the Trainer logs the window's training loss: the mean loss over its applied steps, averaged over ranks,
         if the window had a skipped step and at least one applied step; otherwise `None` (the Trainer's own value
-        stands). The next window starts. All ranks call this together: `_maybe_log_save_evaluate` does, where the Trainer
-        decides to log."""
+        stands). The next window starts. All ranks call this together: `_maybe_log_save_evaluate` does, where the
+        Trainer decides to log."""
         value = None
         if self.window_skips and torch.is_tensor(self._window_count):
             pair = mean_across_ranks(torch.stack([self._window_sum, self._window_count]).float())

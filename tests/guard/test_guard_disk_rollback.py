@@ -37,7 +37,8 @@ def test_rollback_reloads_the_newest_checkpoint(toy_models, tmp_path, kind):
     events = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
     # GRPO samples step 7's completions from the weights verified before its generation batch (at step 6).
     step = 6 if kind == "grpo" else 7
-    assert [(e["step"], e["restored_step"], e["discarded_steps"]) for e in events] == [(step, 4, [*range(5, step + 1)])]
+    expected = [(step, 4, [*range(5, step + 1)])]
+    assert [(e["step"], e["restored_step"], e["discarded_steps"]) for e in events] == expected
     assert events[0]["learning_rate"] < 1e-3  # backed off
     assert trainer.nan_guard.snapshotter.snapshot.params == {}  # nothing held in host memory
     assert trainer.state.global_step == 10 and weights_finite(trainer)
