@@ -99,6 +99,11 @@ def plan_resume(
     reason = resume_reason(requested, restart, resume_on_restart)
     record = previous(output_dir)
     own = record is not None and record.launch == launch
+    if reason == "explicit" and restart > 0 and resume_on_restart and own:
+        # Restarted with the command line that named a checkpoint: go on from this launch's newest, not back there.
+        choice = choose(output_dir, this_launchs(record))
+        if choice.path is not None:
+            reason = "restart"
     if reason == "restart" and not own:
         return ResumePlan(None, reason, restart, (), History(launch=launch, started=now), data)
     if reason == "restart":

@@ -90,7 +90,11 @@ def test_plan_resume_from_the_launchers_restart_count():
     assert plan(None, restarted, resume_on_restart=False).checkpoint is None
     assert plan(None, {"TORCHELASTIC_RESTART_COUNT": "0"}).reason == "new"
     assert plan(None, {}).checkpoint is None
-    assert plan("out/checkpoint-2", restarted).checkpoint == "out/checkpoint-2"  # an explicit path wins
+    # A path passed to `train()` starts the launch; a restart of it goes on from the launch's newest checkpoint, or
+    # from the path again when the launch has none yet (or the record is another launch's).
+    assert plan("out/checkpoint-2", restarted).checkpoint == "out/checkpoint-4"
+    assert plan("out/checkpoint-2", restarted, record=None).checkpoint == "out/checkpoint-2"
+    assert plan("out/checkpoint-2", {}).checkpoint == "out/checkpoint-2"
     assert plan(True, {}).reason == "requested"
 
 
