@@ -47,7 +47,7 @@ def skip_route(scaled: bool, fused: bool) -> SkipRoute:
 
 
 def route_for(optimizer: Any, scaler: Any) -> SkipRoute:
-    """[`skip_route`] for a torch optimizer (accelerate's wrapper unwrapped) and the accelerator's scaler (or `None`)."""
+    """[`skip_route`] for a torch optimizer (accelerate's wrapper unwrapped) and the accelerator's scaler, if any."""
     scaled = scaler is not None and scaler.is_enabled()
     return skip_route(scaled, bool(getattr(optimizer, "_step_supports_amp_scaling", False)))
 
@@ -104,6 +104,6 @@ ACTIONS: dict[SkipRoute, Callable[[Any, torch.Tensor, Any], None]] = {
 
 
 __all__ = [
-    "ACTIONS", "ROUTES", "SkipRoute", "clear_found_inf", "drop_grads", "fold_into_scaler", "route_for", "set_found_inf",
-    "skip_if_faulted", "skip_route",
+    "ACTIONS", "ROUTES", "SkipRoute", "clear_found_inf", "drop_grads", "fold_into_scaler", "route_for",
+    "set_found_inf", "skip_if_faulted", "skip_route",
 ]  # fmt: skip

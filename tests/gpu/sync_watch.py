@@ -4,10 +4,10 @@ Two parts, active only inside a watched call:
 
 - CUDA's sync debug mode (`torch.cuda.set_sync_debug_mode("error")`): raises on the implicit synchronisations of
   tensor operations (`.item()`, `bool()`, `.cpu()`, `nonzero`, a blocking copy...).
-- the explicit waits that mode does not see, counted: `torch.cuda.synchronize()`, `torch.cuda.Event.synchronize()`,
-  `torch.cuda.Stream.synchronize()`, and the host waits of `torch.distributed` (`barrier`, `monitored_barrier`, and
-  `Work.wait()` on a collective's handle). They are wrapped for the test only, through pytest's `monkeypatch` (undone
-  when the test ends); the wrappers call the originals.
+- the explicit waits, listed in call order: `torch.cuda.synchronize()` (which that mode does not see),
+  `torch.cuda.Event.synchronize()`, `torch.cuda.Stream.synchronize()`, and the host waits of `torch.distributed`
+  (`barrier`, `monitored_barrier`, and `Work.wait()` on a collective's handle). They are wrapped for the test only,
+  through pytest's `monkeypatch` (undone when the test ends); the wrappers call the originals.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class SyncWatch:
 
     def __init__(self, monkeypatch):
         self.active = False
+        self._depth = 0
         self.explicit: list[str] = []
         self.calls: dict[str, int] = {}
         for label, (owner, name) in EXPLICIT_WAITS.items():
@@ -46,9 +47,17 @@ class SyncWatch:
 
     def _counted(self, label: str, original):
         def wait(*args, **kwargs):
-            if self.active:
-                self.explicit.append(label)
-            return original(*args, **kwargs)
+            if not self.active:
+                return original(*args, **kwargs)
+            self.explicit.append(label)
+            self._depth += 1
+            torch.cuda.set_sync_debug_mode("default")  # listed, not raised (the debug mode catches some of them)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:  # `barrier` waits on its own handle: back to raising after the outer wait
+                    torch.cuda.set_sync_debug_mode("error")
 
         return wait
 

@@ -31,8 +31,10 @@ HOT_PATH = ("record_inputs", "observe_loss", "end_of_step", "apply_skip", "at_bo
 def watch_guard(trainer, monkeypatch) -> SyncWatch:
     """Watch the guard's hot-path methods; the last step's `at_boundary`, which inspects, runs unwatched."""
     watch = SyncWatch(monkeypatch)
-    state = trainer.state
-    watch.watch_methods(trainer.nan_guard, HOT_PATH, unless=lambda: state.global_step >= state.max_steps)
+    # `train()` makes a new `trainer.state`: read it at each call
+    watch.watch_methods(
+        trainer.nan_guard, HOT_PATH, unless=lambda: trainer.state.global_step >= trainer.state.max_steps
+    )
     return watch
 
 
