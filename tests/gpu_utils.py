@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 
 def logged(trainer, key: str) -> list[float]:
@@ -65,3 +66,46 @@ def nonfinite_files(paths: list[str]) -> list[str]:
         if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors):
             bad.append(path)
     return bad
+
+
+class StepStates(TrainerCallback):
+    """Keeps, on the device (no host read during training), the trainable weights and the optimizer's step counts
+    before and after every optimizer step, and the loss scaler's scale when a `scaler` is given; compare them once
+    training is done."""
+
+    def __init__(self, scaler: Any = None):
+        self.scaler = scaler
+        self.before: dict[int, dict[str, torch.Tensor]] = {}
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _state(self, model, optimizer) -> dict[str, torch.Tensor]:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        params = [p for p in model.parameters() if p.requires_grad]
+        out = {f"weight{i}": p.detach().clone() for i, p in enumerate(params)}
+        counts = {i: inner.state[p]["step"] for i, p in enumerate(params) if p in inner.state}
+        out |= {f"step{i}": torch.as_tensor(count).clone() for i, count in counts.items()}
+        if self.scaler is not None and self.scaler._scale is not None:  # created by the first `scale()`
+            out["scale"] = self.scaler._scale.clone()
+        return out
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.before[state.global_step + 1] = self._state(model, optimizer)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.after[state.global_step] = self._state(model, optimizer)
+
+    def unchanged(self, step: int) -> bool:
+        """Whether step `step` left every trainable weight and every optimizer step count as they were."""
+        before, after = self.before[step], self.after[step]
+        return all(torch.equal(before[k], after[k]) for k in before if k != "scale")
+
+    def applied(self, step: int) -> bool:
+        """Whether step `step` changed the weights and advanced every optimizer step count by one."""
+        before, after = self.before[step], self.after[step]
+        weights = any(not torch.equal(before[k], after[k]) for k in before if k.startswith("weight"))
+        counts = [k for k in before if k.startswith("step")]
+        return weights and bool(counts) and all(int(after[k]) == int(before[k]) + 1 for k in counts)
+
+    def scale_factor(self, step: int) -> float:
+        """The loss scale after step `step` over the scale before it."""
+        return float(self.after[step]["scale"] / self.before[step]["scale"])

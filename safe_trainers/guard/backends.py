@@ -59,7 +59,8 @@ def training_backend(trainer: Any) -> Backend:
         engine = trainer.model_wrapped
         return Backend(engine.optimizer, stage, bool(engine.fp16_enabled()))
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    return Backend(optimizer, None, trainer.accelerator.scaler is not None)
+    scaler = trainer.accelerator.scaler
+    return Backend(optimizer, None, scaler is not None and scaler.is_enabled())
 
 
 def refuse_unsupported_backend(trainer: Any) -> None:

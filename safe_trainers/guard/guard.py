@@ -1,9 +1,10 @@
 """`NanGuard`: keeps non-finite updates out of the weights and rolls back to the last good state.
 
 Per optimizer step, with no host-device synchronisation, [`StepFlags`] keeps a device fault flag (losses and gradient
-norm, agreed across ranks), and `apply_skip` hands it to the optimizer before `optimizer.step()`: fused torch
-optimizers take it as `found_inf` and skip the update on the device; other optimizers fall back to one host read and
-drop the gradients; DeepSpeed skips non-finite steps itself. An fp16 loss scaler's overflow is recorded, not a fault.
+norm, agreed across ranks), and `apply_skip` hands it to the optimizer before `optimizer.step()` (`skip.py`): fused
+torch optimizers, or an fp16 `GradScaler`, take it as `found_inf` and skip the update on the device; other optimizers
+fall back to one host read and drop the gradients; DeepSpeed skips non-finite steps itself. An fp16 loss scaler's
+overflow is recorded, not a fault.
 
 At inspection points (log, save, evaluation, the last step, every `nan_snapshot_steps`) the flags are read back in
 one transfer and judged by the pure policy (`policy.judge_window`). The timeline never rewinds: a rollback puts back
@@ -139,7 +140,7 @@ class NanGuard:
     def apply_skip(self, optimizer: Any) -> None:
         """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
         if self.snapshotter is None or self.snapshotter.deepspeed_stage is None:  # DeepSpeed skips them itself
-            self.flags.skip_update(optimizer)
+            self.flags.skip_update(optimizer, self.trainer.accelerator.scaler)
 
     # ------------------------------------------------------------------ inspection
     def at_boundary(self, control: Any) -> Verdict | None:

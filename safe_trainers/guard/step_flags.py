@@ -15,6 +15,7 @@ import torch
 from .collectives import agree_any, ranks_with_flag
 from .policy import StepRecord
 from .sharding import replicated
+from .skip import clear_found_inf, skip_if_faulted
 
 
 class PendingStep(NamedTuple):
@@ -91,19 +92,19 @@ class StepFlags:
         self._loss_bad = self._loss_sum = None
         return fault
 
-    def skip_update(self, optimizer: Any) -> None:
-        """Make `optimizer.step()` a no-op when the step just closed is a fault (after clipping, before the step)."""
+    def skip_update(self, optimizer: Any, scaler: Any = None) -> None:
+        """Make `optimizer.step()` a no-op when the step just closed is a fault (after clipping, before the step):
+        through the fp16 loss `scaler`'s own `found_inf` when one drives the step, else the optimizer's (see
+        `skip.py`)."""
         fault = self.fault_now
         if fault is None:
             return
         inner = getattr(optimizer, "optimizer", optimizer)
-        if getattr(inner, "_step_supports_amp_scaling", False) and not self.loss_scaled:
-            # Fused optimizers skip on the device when `found_inf` is set, and undo their step counter.
-            inner.found_inf = fault.to(torch.float32)
-        elif bool(fault):  # one host read: this optimizer cannot skip on the device
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    param.grad = None
+        skip_if_faulted(inner, scaler, fault)
+
+    def after_update(self, optimizer: Any) -> None:
+        """After `optimizer.step()`: remove the `found_inf` handed to a fused optimizer."""
+        clear_found_inf(getattr(optimizer, "optimizer", optimizer))
 
     def read(self) -> list[StepRecord]:
         """The pending steps as [`StepRecord`]s, in one device-to-host transfer (and, only when a step is bad, one

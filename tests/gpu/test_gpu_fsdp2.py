@@ -1,6 +1,11 @@
-"""FSDP2 end to end on one GPU: a one-process `accelerate launch` with accelerate's FSDP plugin at `fsdp_version=2`
-and `FULL_STATE_DICT` saves, a NaN loss injected at step 3. The guard skips that step, the run ends at `max_steps`,
-and every checkpoint and the saved model are finite."""
+"""FSDP2 wiring on one GPU, in one process: a one-process `accelerate launch` with accelerate's FSDP plugin at
+`fsdp_version=2` and `FULL_STATE_DICT` saves, on CUDA (DTensor parameters, the plugin's gathered saves), a NaN loss
+injected at step 3. The guard skips that step, the run ends at `max_steps`, and every checkpoint and the saved model
+are finite.
+
+One process is one rank: nothing here agrees a flag across ranks or restores per-rank shards. Cross-rank agreement
+(a fault on one rank skipped or rolled back on every rank, the same weights on each) is covered on two CPU ranks by
+`tests/guard/test_guard_fsdp2.py`."""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ def free_port() -> int:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_fsdp2_run_skips_the_fault_and_saves_finite(kind, tmp_path):
+def test_fsdp2_one_process_wiring_skips_the_fault_and_saves_finite(kind, tmp_path):
     model = save_toy_model(str(tmp_path / "model"), "qwen2")
     out = tmp_path / "out"
     launch = [
@@ -73,4 +78,3 @@ def test_fsdp_version_1_is_refused_with_the_guard(tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     assert done.returncode != 0
     assert "`nan_guard=True` protects FSDP version 2" in done.stderr, done.stderr[-4000:]
-
