@@ -195,8 +195,8 @@ def test_generation_on_zero3_sharded_weights_warned(kind):
     setup, report = run_setup_stage(make_setup(kind, "qwen2", args=args, deepspeed_config=ZERO3))
     (finding,) = [f for f in report.findings if f.rule_id == "generation.ds3_gather"]
     assert finding.action == "warned" and finding.changes == () and setup.args.ds3_gather_for_generation is False
-    for shown in ("256 tokens per completion", "`ds3_gather_for_generation=True`", '`use_vllm=True, vllm_mode="colocate"`'):
-        assert shown in finding.message
+    shown = ["256 tokens per completion", "`ds3_gather_for_generation=True`", '`use_vllm=True, vllm_mode="colocate"`']
+    assert all(text in finding.message for text in shown)
 
 
 @pytest.mark.parametrize(
