@@ -12,7 +12,9 @@ guard touches, and how each keeps its contract:
 * `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
 * resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
   and a restart by the elastic agent take the newest complete and finite checkpoint (`restart.py`).
-* crashes: the step record is kept on disk and a poisoned step's batches are not trained (`step_progress.py`).
+* crashes: the step record is kept on disk and a poisoned step's batches are not trained (`step_progress.py`); a run
+  resumed at its last step (a restart after `train()` returned) trains no step past `max_steps`.
+* rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones (`rotation.py`).
 """
 
 from __future__ import annotations
