@@ -20,7 +20,9 @@ from typing import Any
 
 from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
+from ..errors import TrainingDivergedError
 from .checkpoint import checkpoint_step
+from .events import NanEvent
 from .snapshot import BEST_MODEL_FIELDS, Snapshot, _groups
 
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -78,9 +80,11 @@ class CheckpointSnapshotter:
         trainer = self.trainer
         path = self.newest_good(state.global_step)
         if path is None:
-            raise RuntimeError(
-                f"No good state to restore: no checkpoint of this run at or before step {state.global_step}."
-            )
+            events = trainer.nan_guard.events
+            detail = {"reason": "no_good_state", "good": list(self.good)}
+            events.add(NanEvent(state.global_step, "abort", ["weights_or_optimizer_state"], [], detail))
+            message = no_good_state_message(self.good, state.global_step, trainer.args.output_dir)
+            raise TrainingDivergedError(message, checkpoint_dir=None, report_path=events.path)
         schedule = trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None
         live_groups = [{k: v for k, v in g.items() if k != "params"} for g in _groups(self.optimizer)]
         with_optimizer = any(name.startswith("optimizer") for name in os.listdir(path))
@@ -104,6 +108,19 @@ class CheckpointSnapshotter:
             setattr(state, key, saved.get(key))
         self.snapshot.step = checkpoint_step(path) or 0
         return self.snapshot
+
+
+def no_good_state_message(good: list[str], step: int, output_dir: str) -> str:
+    """Why a rollback from disk cannot happen: every good checkpoint of the run is gone from disk."""
+    listed = ", ".join(f"`{os.path.basename(p)}`" for p in good) or "none"
+    return (
+        f"Training diverged at step {step} and the NaN guard has no good state to roll back to: "
+        f'`nan_rollback_from="checkpoint"` restores the newest checkpoint this run published or resumed from, at or '
+        f"before step {step}, and none is left in {output_dir} (this run's: {listed}; deleted since by something "
+        "other than this run's rotation, which keeps its newest). Nothing was saved. Resume from a checkpoint you "
+        "trust with `trainer.train(resume_from_checkpoint=...)`, or keep the good state in host memory with "
+        '`nan_rollback_from="memory"`.'
+    )
 
 
 __all__ = ["CheckpointSnapshotter"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 PROGRESS_FILE = ".safe_trainers_progress.json"
@@ -50,17 +50,22 @@ class Poisoned:
 class History:
     """What a process inherits from the earlier processes of its run.
 
-    `launch`, `started` and `origin` say which launch the run's record belongs to (see `restart.launch_identity`),
-    when that launch began training, and the checkpoint it began from: a restarted process trusts only its own
-    launch's record and checkpoints, never those an earlier run left in the same `output_dir`.
+    `launch`, `restart`, `stage`, `origin`, `checkpoints` and `result` say whose record it is and what that launch did
+    (see `launch.py`): the elastic agents of the launch and the restart count of the process that writes the record,
+    which of the script's `train()` calls with this `output_dir` it is, the checkpoint the launch began from, the
+    steps of the checkpoints it published (a restarted process trusts only these, never those an earlier run left in
+    the same `output_dir`), and what its `train()` returned once it finished.
     """
 
     attempt: int = 0
     deaths: tuple[Death, ...] = ()
     poisoned: tuple[Poisoned, ...] = ()
-    launch: str = ""
-    started: float = 0.0
+    launch: tuple[str, ...] = ()
+    restart: int = 0
+    stage: int = 1
     origin: str | None = None
+    checkpoints: tuple[int, ...] = ()
+    result: dict | None = None
 
     def poisoned_step(self, step: int) -> Poisoned | None:
         return next((p for p in self.poisoned if p.step == step), None)
@@ -75,7 +80,7 @@ class Progress:
         step (`int`): the step running (`phase="step"`) or last finished (`"between"`, `"finished"`: training ended).
         phase (`str`): `"step"`, `"between"` or `"finished"`.
         data (`str`): what makes a step number name the same batches (see [`data_identity`]).
-        deaths, poisoned, launch, started, origin: the run's history so far (see [`History`]).
+        deaths, poisoned, launch, restart, stage, origin, checkpoints, result: the run's history (see [`History`]).
     """
 
     attempt: int
@@ -84,16 +89,36 @@ class Progress:
     data: str
     deaths: tuple[Death, ...] = ()
     poisoned: tuple[Poisoned, ...] = ()
-    launch: str = ""
-    started: float = 0.0
+    launch: tuple[str, ...] = ()
+    restart: int = 0
+    stage: int = 1
     origin: str | None = None
+    checkpoints: tuple[int, ...] = ()
+    result: dict | None = None
 
     @classmethod
     def from_json(cls, text: str) -> "Progress":
         raw = json.loads(text)
+        raw = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}  # a record of an older version
         deaths = tuple(Death(**d) for d in raw.pop("deaths", []))
         poisoned = tuple(Poisoned(p["step"], tuple(p["attempts"])) for p in raw.pop("poisoned", []))
-        return cls(**raw, deaths=deaths, poisoned=poisoned)
+        launch = raw.pop("launch", ())
+        launch = (launch,) if isinstance(launch, str) else tuple(launch)
+        checkpoints = tuple(int(s) for s in raw.pop("checkpoints", ()))
+        return cls(**raw, deaths=deaths, poisoned=poisoned, launch=launch, checkpoints=checkpoints)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the record's `train()` call finished (it may have died since, finishing again after a restart)."""
+        return self.phase == "finished" or self.result is not None
+
+    @property
+    def history(self) -> History:
+        """The launch's part of the record, as a process of the same launch and `train()` call continues it."""
+        return History(
+            self.attempt, self.deaths, self.poisoned, self.launch, self.restart, self.stage, self.origin,
+            self.checkpoints, self.result,
+        )  # fmt: skip
 
 
 def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: int) -> History:
@@ -115,7 +140,7 @@ def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: 
     found = poison(deaths, skip_after)
     if found is not None and all(p.step != found.step for p in poisoned):
         poisoned += (found,)
-    return History(previous.attempt + 1, deaths, poisoned, previous.launch, previous.started, previous.origin)
+    return replace(previous.history, attempt=previous.attempt + 1, deaths=deaths, poisoned=poisoned)
 
 
 def poison(deaths: tuple[Death, ...], times: int) -> Poisoned | None:
@@ -149,19 +174,29 @@ class ProgressWriter:
 
     The file is opened once; each write is one `pwrite` of a few hundred bytes at offset 0 (padded to the longest
     record written, so no byte of an older record is left behind), about a microsecond: a process killed by a signal
-    never leaves half a record, as the kernel finishes the write first. Only `step` and `phase` change between writes.
+    never leaves half a record, as the kernel finishes the write first. Only `step` and `phase` change between steps;
+    the rest ([`History`]) is rendered again when it changes (a published checkpoint, the end of training).
     """
 
     def __init__(self, output_dir: str, history: History, data: str):
         os.makedirs(output_dir, exist_ok=True)
         self._fd = os.open(os.path.join(output_dir, PROGRESS_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
         os.ftruncate(self._fd, 0)
-        rest = json.dumps({"data": data, "deaths": [asdict(d) for d in history.deaths],
-                           "poisoned": [asdict(p) for p in history.poisoned], "launch": history.launch,
-                           "started": history.started, "origin": history.origin})  # fmt: skip
-        self._head = f'{{"attempt": {history.attempt}, "step": '
-        self._tail = f'", {rest[1:]}'
+        self._data = data
         self._size = 0
+        self.history = history
+
+    @property
+    def history(self) -> History:
+        return self._history
+
+    @history.setter
+    def history(self, history: History) -> None:
+        rest = asdict(history)
+        rest.pop("attempt")
+        self._history = history
+        self._head = f'{{"attempt": {history.attempt}, "step": '
+        self._tail = f'", {json.dumps({"data": self._data, **rest})[1:]}'
 
     def write(self, step: int, phase: Phase) -> None:
         text = f'{self._head}{step}, "phase": "{phase}{self._tail}'.encode()

@@ -7,6 +7,12 @@ with the workers). With `resume_on_restart=True` such a restarted `train()` resu
 checkpoint of `output_dir` with nothing else passed, as `resume_from_checkpoint=True` does (see `resume.py`), and
 inherits the run's history of deaths (see `progress.py`).
 
+It trusts only what its own launch wrote: the step record names the launch by what the elastic agent keeps across
+its restarts (see `launch.py`; never a parent process id or a file time), the script's `train()` call, and the
+checkpoints the launch published. A call that had finished before the restart (the process died in `save_model` or
+in the script's next stage) trains no step: it resumes from its final checkpoint, where the trainer stops before
+fetching a batch, and returns what it returned before.
+
 [`plan_resume`] is the decision, free of side effects: from the launcher's environment, the `output_dir` contents and
 the settings to a [`ResumePlan`]. [`resolve_run`] takes it on the main process, hands it to every rank (so all ranks
 resume from the same checkpoint) and reports it; [`record_resume`] writes the `resume` event.
@@ -16,16 +22,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
 from .checkpoint import checkpoint_step
 from .events import NanEvent
+from .launch import TrainCalls, agent_identity, launch_agents, restart_count, same_launch
 from .progress import History, Progress, data_identity, inherit, read_progress
 from .resume import CheckpointChoice, PassedOver, checkpoint_problem, choose_checkpoint
 
@@ -33,9 +38,9 @@ if TYPE_CHECKING:
     from .guard import NanGuard
 
 logger = logging.getLogger("safe_trainers")
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 Reason = Literal["new", "explicit", "requested", "restart"]
+NOT_THIS_LAUNCHS = "not this launch's (an earlier run's, or published after the launch's step record was last written)"
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class ResumePlan:
         passed_over ([`PassedOver`] tuple): newer checkpoints that were not usable, newest first, with the reason.
         history ([`History`]): what this process inherits from the run's earlier processes.
         data (`str`): the run's data identity (see `progress.data_identity`).
+        finished (`bool`): this `train()` call of the launch already finished before the restart: it trains no step
+            and returns what it returned then (`history.result`).
     """
 
     checkpoint: str | None
@@ -58,12 +65,7 @@ class ResumePlan:
     passed_over: tuple[PassedOver, ...] = ()
     history: History = field(default_factory=History)
     data: str = ""
-
-
-def restart_count(env: Mapping[str, str]) -> int:
-    """How many times the elastic agent has restarted this worker group (0 without one)."""
-    value = env.get(RESTART_COUNT, "0")
-    return int(value) if value.isdigit() else 0
+    finished: bool = False
 
 
 def resume_reason(requested: str | bool | None, restart: int, resume_on_restart: bool) -> Reason:
@@ -83,29 +85,35 @@ def plan_resume(
     resume_on_restart: bool = True,
     skip_after: int = 2,
     data: str = "",
-    launch: str = "",
-    now: float = 0.0,
+    launch: tuple[str, ...] = (),
+    stage: int = 1,
     choose: Callable[..., CheckpointChoice] = choose_checkpoint,
     previous: Callable[[str], Progress | None] = read_progress,
 ) -> ResumePlan:
     """Decide how `train()` starts (see the module docstring). `choose` and `previous` read `output_dir`; `launch`
-    identifies this launch ([`launch_identity`]) and `now` is the time, for a launch's first record.
+    names this launch's elastic agents (`launch.launch_agents`) and `stage` this `train()` call of the script
+    (`launch.TrainCalls`).
 
-    A restarted process trusts only its own launch's record: with none (the launch died before it began training,
-    or the record in `output_dir` is an earlier run's), it starts over, as without an elastic agent; with one, it
-    resumes from the newest healthy checkpoint this launch wrote or began from, never an earlier run's.
+    A restarted process trusts only the record its own launch wrote for the same `train()` call: with none (the
+    launch died before this call began training, or the record in `output_dir` is an earlier run's), it starts over,
+    as without an elastic agent; with one, it resumes from the newest healthy checkpoint this launch published or
+    began from, never an earlier run's, and a call that had finished trains no step. Raises `ValueError` when a later
+    `train()` call of the launch wrote its record (and its checkpoints) over this call's, in the same `output_dir`.
     """
     restart = restart_count(env)
     reason = resume_reason(requested, restart, resume_on_restart)
     record = previous(output_dir)
-    own = record is not None and record.launch == launch
-    if reason == "explicit" and restart > 0 and resume_on_restart and own:
+    launchs = resume_on_restart and record is not None and same_launch(record.launch, record.restart, launch, restart)
+    if launchs and record.stage > stage:
+        raise ValueError(shared_output_dir_message(output_dir, stage, record.stage))
+    own = launchs and record.stage == stage
+    if reason == "explicit" and own:
         # Restarted with the command line that named a checkpoint: go on from this launch's newest, not back there.
         choice = choose(output_dir, this_launchs(record))
         if choice.path is not None:
             reason = "restart"
     if reason == "restart" and not own:
-        return ResumePlan(None, reason, restart, (), History(launch=launch, started=now), data)
+        return ResumePlan(None, reason, restart, (), History(launch=launch, restart=restart, stage=stage), data)
     if reason == "restart":
         choice = choose(output_dir, this_launchs(record))
     elif reason == "requested":
@@ -113,49 +121,63 @@ def plan_resume(
     else:
         choice = CheckpointChoice(requested if reason == "explicit" else None)
     continuing = reason != "new" or restart > 0
-    history = inherit(record, continuing, data, skip_after)
-    if not history.launch or reason != "restart":  # a launch's first process: its own record starts here
-        history = replace(history, launch=launch, started=now, origin=choice.path)
-    return ResumePlan(choice.path, reason, restart, choice.passed_over, history, data)
+    history = replace(inherit(record, continuing, data, skip_after), launch=launch, restart=restart, stage=stage)
+    if reason == "restart":  # the launch's record goes on
+        history = replace(history, origin=record.origin, checkpoints=record.checkpoints, result=record.result)
+    else:  # the launch's first process for this call: its own record starts here
+        history = replace(history, origin=choice.path, checkpoints=(), result=None)
+    finished = reason == "restart" and record.finished
+    return ResumePlan(choice.path, reason, restart, choice.passed_over, history, data, finished)
 
 
 def this_launchs(record: Progress) -> Callable[[str], str | None]:
-    """A checkpoint `problem` for a restart: an earlier run's checkpoint (written before this launch began training,
-    and not the one it began from) is passed over, every other is checked as usual."""
+    """A checkpoint `problem` for a restart: a checkpoint the launch neither published (the record lists their steps)
+    nor began from is passed over, every other is checked as usual (`resume.checkpoint_problem`)."""
+    origin = os.path.normpath(record.origin) if record.origin else None
 
     def problem(path: str) -> str | None:
-        state = os.path.join(path, "trainer_state.json")
-        if path != record.origin and os.path.isfile(state) and os.path.getmtime(state) < record.started:
-            return "an earlier run's (written before this launch began training)"
+        if os.path.normpath(path) != origin and checkpoint_step(path) not in record.checkpoints:
+            return NOT_THIS_LAUNCHS
         return checkpoint_problem(path)
 
     return problem
 
 
-def launch_identity(env: Mapping[str, str]) -> str:
-    """Which launch this process belongs to: the elastic agent's run id and process (every restart of one launch has
-    the same agent as parent) on this host."""
-    return f"{socket.gethostname()}:{os.getppid()}:{env.get('TORCHELASTIC_RUN_ID', '')}"
+def shared_output_dir_message(output_dir: str, stage: int, later: int) -> str:
+    return (
+        f"This restarted script's `train()` call #{stage} with `output_dir={output_dir!r}` had finished before the "
+        f"restart, but call #{later} of the same launch used the same `output_dir` since: its step record and its "
+        "checkpoints replaced this call's (checkpoints of the same step have the same name), so the finished state "
+        "cannot be brought back. Give each `train()` call of a script its own `output_dir`, or run the stages as "
+        "separate launches."
+    )
 
 
 def resolve_run(trainer: Any, requested: str | bool | None) -> ResumePlan:
     """Plan on the main process, hand the plan to every rank, report it; raise if `True` found no checkpoint."""
     args, settings = trainer.args, getattr(trainer, "safety_settings", None)
-    plan = None
+    stage = TrainCalls.next(args.output_dir)
+    agents = launch_agents(gather_object([agent_identity(os.environ)]))  # one collective: every node's agent
+    plan: ResumePlan | ValueError | None = None
     if args.process_index == 0:
         dataset = getattr(trainer, "train_dataset", None)
         rows = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
-        plan = plan_resume(
-            requested if requested is not False else None,
-            os.environ,
-            args.output_dir,
-            resume_on_restart=getattr(settings, "resume_on_restart", True),
-            skip_after=getattr(settings, "skip_step_after_crashes", 2),
-            data=data_identity(args, rows),
-            launch=launch_identity(os.environ),
-            now=time.time(),
-        )
+        try:
+            plan = plan_resume(
+                requested if requested is not False else None,
+                os.environ,
+                args.output_dir,
+                resume_on_restart=getattr(settings, "resume_on_restart", True),
+                skip_after=getattr(settings, "skip_step_after_crashes", 2),
+                data=data_identity(args, rows),
+                launch=agents,
+                stage=stage,
+            )
+        except ValueError as error:  # raised on every rank, after the broadcast
+            plan = error
     plan = broadcast_object_list([plan])[0]
+    if isinstance(plan, ValueError):
+        raise plan
     if plan.reason == "requested" and plan.checkpoint is None:
         raise ValueError(no_checkpoint_message(args.output_dir, plan.passed_over))
     if args.process_index == 0:
@@ -177,6 +199,8 @@ def record_resume(guard: NanGuard, plan: ResumePlan) -> None:
         "passed_over": [p.to_dict() for p in plan.passed_over],
         "deaths": [{"attempt": d.attempt, "step": d.step} for d in plan.history.deaths],
     }
+    if plan.finished:
+        detail["finished"] = (plan.history.result or {}).get("global_step", step)
     guard.events.add(NanEvent(step or 0, "resume", [], [], detail))
 
 
@@ -203,7 +227,13 @@ def _log(plan: ResumePlan) -> None:
         logger.warning(f"Earlier processes of this run died: {where}.")
     if plan.reason == "new" and plan.restart:
         logger.warning(f"Restart {plan.restart} by the elastic agent with `resume_on_restart=False`: starting over.")
-    if plan.reason in ("requested", "restart"):
+    if plan.finished:
+        source = f"from {plan.checkpoint}" if plan.checkpoint else "with no checkpoint left: it trains again"
+        logger.warning(
+            f"Resume (restart {plan.restart} by the elastic agent): this `train()` call finished before the restart; "
+            f"it returns its final state ({source}) and trains no step past the end."
+        )
+    elif plan.reason in ("requested", "restart"):
         cause = f"restart {plan.restart} by the elastic agent" if plan.reason == "restart" else "requested"
         if plan.checkpoint is None:
             logger.warning(f"Resume ({cause}): no checkpoint yet, training starts from step 0.")

@@ -4,7 +4,8 @@ transformers' `resume_from_checkpoint=True` takes the highest-numbered `checkpoi
 half-written or one another tool saved with NaN weights. Here each candidate is examined, newest first:
 
 * complete: it has `trainer_state.json` and model weights (a full model, a PEFT adapter, a sharded index whose shards
-  all exist, or a DeepSpeed / FSDP state directory);
+  all exist, or a DeepSpeed / FSDP state directory), and every file was written to the end: each JSON parses, each
+  safetensors file is as long as its header says, each torch file's zip directory can be read (`completeness.py`);
 * finite: every floating tensor of its weights and of `optimizer.pt` is finite. Safetensors files are read one tensor
   at a time; `.bin`/`.pt` files are memory-mapped. DeepSpeed and FSDP state directories are checked for presence only.
 
@@ -23,13 +24,11 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import all_finite, checkpoints
+from .completeness import BACKEND_STATE_PREFIXES, TRAINER_STATE, incomplete_checkpoint
 
-TRAINER_STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-# Directories in which a backend keeps its own sharded state (DeepSpeed's `global_step<N>`, FSDP's model shards).
-BACKEND_STATE_PREFIXES = ("global_step", "pytorch_model_fsdp")
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,9 @@ def checkpoint_problem(path: str) -> str | None:
     """Why `path` cannot be resumed from (incomplete, unreadable, non-finite), or `None` if it can."""
     if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
         return f"incomplete: no `{TRAINER_STATE}` (a save that did not finish, or not a Trainer checkpoint)"
+    unfinished = incomplete_checkpoint(path)
+    if unfinished is not None:
+        return f"incomplete: {unfinished}"
     files, missing = weight_files(path)
     if missing:
         return f"incomplete: `{missing}` is missing"

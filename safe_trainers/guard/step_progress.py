@@ -1,7 +1,8 @@
 """`StepProgressCallback`: keeps the step record on disk and skips the batches of a poisoned step.
 
-The record (see `progress.py`) is rewritten by the main process when each optimizer step begins and ends, and once
-more when training ends. A step whose batches killed the process `skip_step_after_crashes` times in a row is
+The record (see `progress.py`) is rewritten by the main process when each optimizer step begins and ends, when a
+checkpoint is published (the record lists the launch's checkpoints), and when training ends (with what `train()`
+returns). A step whose batches killed the process `skip_step_after_crashes` times in a row is
 *poisoned*: when it comes, its micro-batches are taken from the dataloader as usual (so every other step reads exactly
 the batches it would have) but not trained: no forward, no backward, no update. The guard counts it as a skipped step
 (`nan_guard/skipped_steps`, a `skip` event) and a `poison` event says which batches and which attempts died on them;
@@ -15,6 +16,8 @@ one generation buffer index it by the steps trained, so there a step cannot be l
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +44,7 @@ class StepProgressCallback(TrainerCallback):
         self.history = History()
         self.dropping = False
         self._writer: ProgressWriter | None = None
+        self._last: tuple[int, Phase] = (0, "between")
 
     def start(self, history: History, data: str, step: int = 0) -> None:
         """Called by `train()` with what this process inherits from the run's earlier processes, and the step it
@@ -73,11 +77,32 @@ class StepProgressCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self._save(state.global_step, "finished")
+
+    def published(self, run_dir: str, step: int) -> None:
+        """The trainer published `checkpoint-<step>` (and rotated): the record lists the steps of this launch's
+        checkpoints still in `run_dir`, the only ones a restart of the launch resumes from."""
+        steps = sorted(set(self.history.checkpoints) | {step})
+        kept = tuple(s for s in steps if os.path.isdir(os.path.join(run_dir, f"checkpoint-{s}")))
+        self._update(replace(self.history, checkpoints=kept))
+
+    def finished(self, output: Any) -> None:
+        """`train()` returns `output` (a `TrainOutput`): the record keeps it, for a restart of the launch to return
+        it again without training; the record is closed."""
+        result = {"global_step": output.global_step, "training_loss": output.training_loss, "metrics": output.metrics}
+        self._update(replace(self.history, result=result))
+        self._save(output.global_step, "finished")
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
+    def _update(self, history: History) -> None:
+        self.history = history
+        if self._writer is not None:
+            self._writer.history = history
+            self._save(*self._last)
+
     def _save(self, step: int, phase: Phase) -> None:
+        self._last = (step, phase)
         if self._writer is not None:
             self._writer.write(step, phase)
 

@@ -12,7 +12,9 @@ guard touches, and how each keeps its contract:
 * `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
 * resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
   and a restart by the elastic agent take the newest complete and finite checkpoint (`restart.py`).
-* crashes: the step record is kept on disk and a poisoned step's batches are not trained (`step_progress.py`).
+* crashes: the step record is kept on disk and a poisoned step's batches are not trained (`step_progress.py`); a run
+  resumed at its last step (a restart after `train()` returned) trains no step past `max_steps`.
+* rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones (`rotation.py`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import os
 from typing import Any
 
 import torch
-from transformers.trainer_utils import rotate_checkpoints
+from transformers.trainer_utils import TrainOutput
 
 from ..errors import NonFiniteWeightsError
 from .checkpoint import STAGING_DIR, all_finite, checkpoint_step, clean_staging, publish, staging_run_dir
 from .guard import NanGuard
 from .recovery import refuse_save
 from .restart import record_resume, resolve_run
+from .rotation import rotate_up_to
 from .step_progress import StepProgressCallback
 
 logger = logging.getLogger("safe_trainers")
@@ -69,7 +72,21 @@ class NanGuardTrainerMixin:
             guard.finish()
         if guard is not None and "train_loss" in output.metrics:
             output = output._replace(training_loss=output.metrics["train_loss"])  # as logged (see `log`)
+        result = plan.history.result if plan.finished else None
+        if result is not None and result["global_step"] == output.global_step:
+            output = TrainOutput(**result)  # what this call returned before the restart
+        if self.step_progress is not None:
+            self.step_progress.finished(output)
         return output
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """No step past `max_steps`: a run resumed from a checkpoint of its last step (a restart after `train()`
+        finished, or `resume_from_checkpoint` given the final checkpoint) stops before fetching a batch, where the
+        Trainer would train one more step before checking."""
+        if self.state.global_step >= self.state.max_steps > 0:
+            self.control.should_training_stop = True
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         guard = self.nan_guard
@@ -170,12 +187,9 @@ class NanGuardTrainerMixin:
         if self.args.push_to_hub and not self._starting_checkpoint:
             self._push_from_checkpoint(final)
         if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=False,
-            )
+            rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
+        if self.step_progress is not None:
+            self.step_progress.published(run_dir, step)
 
     def save_starting_checkpoint(self) -> None:
         """Publish the state training starts from as a checkpoint, for `nan_rollback_from="checkpoint"` (verified

@@ -12,6 +12,7 @@ from .base import ALL_TRAINERS, BuiltTrainer, Rule
 from .data import NoLossTokens
 from .dpo import BetaPositive
 from .env import CublasSigfpe
+from .generation import Ds3Gather
 from .grpo import GroupSize, VllmIsTruncation, VocabSize
 from .kto import KtoBatchAndLabels
 from .logging import ShowNonFinite
@@ -43,6 +44,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     VllmIsTruncation(),
     RouterAuxLoss(),
     SnapshotFits(),
+    Ds3Gather(),
 )
 
 

@@ -4,8 +4,10 @@ since that checkpoint are discarded."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -141,3 +143,27 @@ def test_damaged_optimizer_state_is_restored_or_reset(toy_models, tmp_path, save
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     assert moments and all(bool(torch.isfinite(m).all()) for m in moments) and weights_finite(trainer)
+
+
+class _RemovesCheckpoints(TrainerCallback):
+    """Something other than the run (a clean-up job, a user) deletes the run's checkpoints after step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            for path in glob.glob(os.path.join(args.output_dir, "checkpoint-*")):
+                shutil.rmtree(path)
+
+
+def test_no_good_state_left_on_disk_stops_the_run_with_a_message(toy_models, tmp_path):
+    # The run's checkpoints 0 and 4 are deleted behind its back, then NaN weights at step 6: there is nothing to roll
+    # back to. The run stops with `TrainingDivergedError` (never an unhandled error) and an `abort` event.
+    trainer = from_disk("dpo", toy_models, tmp_path, [Fault(step=6, kind="weight")])
+    trainer.add_callback(_RemovesCheckpoints(5))
+    match = r"no good state to roll back to.*`checkpoint-0`, `checkpoint-4`"
+    with pytest.raises(st.TrainingDivergedError, match=match):
+        trainer.train()
+    (abort,) = [e for e in read_events(str(tmp_path)) if e["kind"] == "abort"]
+    assert (abort["step"], abort["reason"]) == (6, "no_good_state")

@@ -22,7 +22,7 @@ from safe_trainers.guard import read_events
 from safe_trainers.guard.progress import (
     Death, History, Poisoned, Progress, ProgressWriter, inherit, poison, read_progress,
 )  # fmt: skip
-from safe_trainers.guard.restart import plan_resume
+from safe_trainers.guard.restart import NOT_THIS_LAUNCHS, plan_resume, this_launchs
 from safe_trainers.guard.resume import CheckpointChoice
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.toy import save_toy_model
@@ -71,22 +71,29 @@ def test_a_new_process_inherits_the_record_of_the_one_that_died(tmp_path):
 
 def test_plan_resume_from_the_launchers_restart_count():
     chosen = CheckpointChoice("out/checkpoint-4")
-    ours = Progress(1, 6, "step", "", launch="host:7:run", started=100.0)
+    agents = ("none@host:/tmp/torchelastic_a/none_b",)
+    ours = Progress(1, 6, "step", "", launch=agents, restart=1, checkpoints=(4,))
 
     def plan(requested, env, record=ours, **kwargs):
         return plan_resume(
-            requested, env, "out", launch="host:7:run", now=200.0, choose=lambda *_: chosen, previous=lambda _: record,
-            **kwargs,
+            requested, env, "out", launch=agents, choose=lambda *_: chosen, previous=lambda _: record, **kwargs
         )  # fmt: skip
 
     restarted = {"TORCHELASTIC_RESTART_COUNT": "2"}
     assert (plan(None, restarted).checkpoint, plan(None, restarted).reason) == ("out/checkpoint-4", "restart")
-    assert plan(None, restarted).history.attempt == 2 and plan(None, restarted).history.started == 100.0
-    # A restart trusts only its own launch's record: none (the launch died before training), or an earlier run's,
-    # means this launch trained nothing yet: it starts over, with a history of its own.
-    for record in (None, replace(ours, launch="host:3:run")):
-        fresh = plan(None, restarted, record=record)
-        assert (fresh.checkpoint, fresh.history.deaths, fresh.history.launch) == (None, (), "host:7:run")
+    assert plan(None, restarted).history.attempt == 2 and plan(None, restarted).history.checkpoints == (4,)
+    assert plan(None, restarted).history.restart == 2 and not plan(None, restarted).finished
+    # A restart trusts only its own launch's record for the same `train()` call: none (the launch died before
+    # training), another launch's (another agent), one not written by an earlier attempt, or one of an earlier
+    # `train()` call of the script, means this call trained nothing yet: it starts over, with a history of its own.
+    others = [None, replace(ours, launch=("none@host:/tmp/torchelastic_c/none_d",)), replace(ours, restart=2)]
+    for record, stage in [(r, 1) for r in others] + [(ours, 2)]:
+        fresh = plan(None, restarted, record=record, stage=stage)
+        assert (fresh.checkpoint, fresh.history.deaths, fresh.history.launch) == (None, (), agents)
+        assert (fresh.history.stage, fresh.history.checkpoints) == (stage, ())
+    # A later `train()` call of the launch wrote over this one's record in the same output_dir.
+    with pytest.raises(ValueError, match=r"call #1 with `output_dir='out'` had finished .* call #2"):
+        plan(None, restarted, record=replace(ours, stage=2))
     assert plan(None, restarted, resume_on_restart=False).checkpoint is None
     assert plan(None, {"TORCHELASTIC_RESTART_COUNT": "0"}).reason == "new"
     assert plan(None, {}).checkpoint is None
@@ -96,6 +103,19 @@ def test_plan_resume_from_the_launchers_restart_count():
     assert plan("out/checkpoint-2", restarted, record=None).checkpoint == "out/checkpoint-2"
     assert plan("out/checkpoint-2", {}).checkpoint == "out/checkpoint-2"
     assert plan(True, {}).reason == "requested"
+    # A call that finished: its restart returns what it returned (`history.result`), from its final checkpoint.
+    result = {"global_step": 8, "training_loss": 0.5, "metrics": {"train_loss": 0.5}}
+    done = plan(None, restarted, record=replace(ours, step=8, phase="finished", result=result))
+    assert (done.finished, done.history.result, done.checkpoint) == (True, result, "out/checkpoint-4")
+
+
+def test_a_restart_trusts_only_the_checkpoints_its_launch_published():
+    ours = Progress(1, 6, "step", "", launch=("a",), restart=0, origin="out/checkpoint-2", checkpoints=(4, 8))
+    problem = this_launchs(ours)
+    assert problem("out/checkpoint-12") == NOT_THIS_LAUNCHS  # an earlier run's, whatever its file times say
+    assert problem("out/checkpoint-6") == NOT_THIS_LAUNCHS
+    assert problem("out/checkpoint-4").startswith("incomplete: no `trainer_state.json`")  # its own: checked as usual
+    assert problem("out/checkpoint-2").startswith("incomplete")  # the one the launch began from
 
 
 # ---------------------------------------------------------------------------------------------------- healthy resume
@@ -129,13 +149,24 @@ def test_resume_true_passes_over_nan_and_half_written_checkpoints(toy_models, tm
 
 
 # ---------------------------------------------------------------------------------------------------- restarts
-def launch_restarting(tmp_path, processes: int, restarts: int, *args: str) -> tuple[list[dict], list[list[dict]]]:
-    """Run the worker under torchrun with `restarts` restarts; return each rank's result and micro-batch stream."""
+def launch_restarting(
+    tmp_path, processes: int, restarts: int, *args: str, rendezvous=("--standalone",), wrapper: bool = False
+) -> tuple[list[dict], list[list[dict]]]:
+    """Run the worker under torchrun with `restarts` restarts; return each rank's result and micro-batch stream.
+
+    `rendezvous`: torchrun's rendezvous options; `wrapper`: start it as a cluster job does, through a shell script that
+    sets the environment and then runs python (`torchrun --no-python train.sh`: a new shell at each restart)."""
     model = save_toy_model(str(tmp_path / "model"), "qwen2")
     out = tmp_path / "out"
+    program = [WORKER]
+    if wrapper:
+        script = tmp_path / "train.sh"
+        script.write_text(f'#!/bin/sh\nexport OMP_NUM_THREADS=1\n"{sys.executable}" "{WORKER}" "$@"\n')
+        script.chmod(0o755)
+        program = ["--no-python", str(script)]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-        "--max-restarts", str(restarts), WORKER, "--model", model, "--out", str(out), *args,
+        sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(processes),
+        "--max-restarts", str(restarts), *program, "--model", model, "--out", str(out), *args,
     ]  # fmt: skip
     # Restarting a multi-rank group: the workers' process group must not reuse the agent's rendezvous store, whose
     # keys still name the dead workers' ports (pytorch#135712); see docs/launching.md.

@@ -1,14 +1,16 @@
 """The GRPO rules: `grpo.group_size` (in the rule and in the config), `grpo.vocab_size` (a vocabulary padded past the
-tokenizer) and `grpo.vllm_is_truncation` (vLLM importance sampling with truncated sampling)."""
+tokenizer), `grpo.vllm_is_truncation` (vLLM importance sampling with truncated sampling) and `generation.ds3_gather`
+(generation on ZeRO-3-sharded weights)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from safe_trainers import GRPOConfig, SafetyError
-from safe_trainers.rules import get_rule
+from safe_trainers.rules import BuiltTrainer, get_rule
 from safe_trainers.rules.grpo import group_size_problems, padded_vocab_ids, truncated_sampling
 from safe_trainers.testing.toy import build_tokenizer, model_config
 
@@ -18,6 +20,8 @@ from rule_utils import OUT, make_args, make_setup, run_setup_stage  # tests/ is 
 GROUP = get_rule("grpo.group_size")
 VLLM_IS = get_rule("grpo.vllm_is_truncation")
 VOCAB = get_rule("grpo.vocab_size")
+DS3 = get_rule("generation.ds3_gather")
+ZERO3 = {"zero_optimization": {"stage": 3}}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -178,3 +182,40 @@ def test_vllm_importance_sampling_with_truncation_warned(args_kw, shown):
 def test_vllm_importance_sampling_silent(args_kw):
     assert VLLM_IS.check(make_setup("grpo", "qwen2", args=make_args("grpo", **args_kw))) is None
     assert truncated_sampling(make_args("grpo")) == []
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# generation.ds3_gather
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_generation_on_zero3_sharded_weights_warned(kind):
+    args = make_args(kind, ds3_gather_for_generation=False, max_completion_length=256)
+    setup, report = run_setup_stage(make_setup(kind, "qwen2", args=args, deepspeed_config=ZERO3))
+    (finding,) = [f for f in report.findings if f.rule_id == "generation.ds3_gather"]
+    assert finding.action == "warned" and finding.changes == () and setup.args.ds3_gather_for_generation is False
+    shown = ["256 tokens per completion", "`ds3_gather_for_generation=True`", '`use_vllm=True, vllm_mode="colocate"`']
+    assert all(text in finding.message for text in shown)
+
+
+@pytest.mark.parametrize(
+    "args_kw, deepspeed_config",
+    [
+        (dict(), ZERO3),  # TRL's default gathers the weights once per generation
+        (dict(ds3_gather_for_generation=False), {"zero_optimization": {"stage": 2}}),  # weights are not sharded
+        (dict(ds3_gather_for_generation=False), None),
+        (dict(ds3_gather_for_generation=False, use_vllm=True), ZERO3),  # vLLM generates from its own full copy
+    ],
+)
+def test_generation_on_whole_weights_silent(args_kw, deepspeed_config):
+    args = make_args("grpo", **args_kw)
+    assert DS3.check(make_setup("grpo", "qwen2", args=args, deepspeed_config=deepspeed_config)) is None
+
+
+def test_generation_on_sharded_weights_under_accelerates_deepspeed_plugin_warned():
+    # `accelerate launch --use_deepspeed --zero_stage 3`: no `args.deepspeed`; the built trainer's engine says ZeRO-3.
+    built = BuiltTrainer("grpo", make_args("grpo", ds3_gather_for_generation=False), None, snapshot_strategy="zero3")
+    assert DS3.check_built(built).action == "warned"
+    assert DS3.check_built(replace(built, snapshot_strategy="zero2")) is None
+    assert DS3.check_built(replace(built, args=make_args("grpo"))) is None

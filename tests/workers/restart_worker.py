@@ -1,6 +1,6 @@
 """Train DPO on a toy model under torchrun's elastic agent, killing the process (SIGKILL) at chosen steps.
 
-Launched by tests/guard/test_guard_restart.py, e.g.:
+Launched by tests/guard/test_guard_restart.py and test_guard_restart_cluster.py, e.g.:
     torchrun --standalone --nproc_per_node 1 --max-restarts 3 tests/workers/restart_worker.py --model MODEL_DIR \
         --out DIR --kill 6:0 --kill 7:1-
 `--kill STEP:ATTEMPTS[:RANK]` kills the process when it feeds a micro-batch of optimizer step STEP to the model, in
@@ -9,6 +9,13 @@ or all. Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batc
 it: `delivered` when the dataloader hands it to `training_step`, `fed` when it reaches the model. The attempt that
 finishes writes `DIR/result-rank<r>.json`, with `expected`: the fingerprints of the micro-batches an uninterrupted
 run trains, in order (one fresh pass over the prepared train dataloader).
+
+As a cluster job can: `--stages N` runs N `train()` calls in one script (stage 1 in `DIR/run`, stage s in
+`DIR/run<s>`, each starting from the previous stage's model; `--kill_stage` says which one `--kill` applies to; each
+attempt appends what each stage's `train()` returned to `DIR/stages-rank<r>.jsonl`); `--die_before_train ATTEMPTS`
+kills the process before `train()` (loading); `--backdate SECONDS` sets the file times of every published checkpoint
+that far in the past (shared storage whose clock lags); `--truncate STEP:FILE` cuts `FILE` of `checkpoint-STEP` to half
+its length once it is published, in attempt 0 (a save written in place and interrupted).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,6 +39,7 @@ from guard_utils import batch_hash  # noqa: E402
 from safe_trainers.testing.build import build_trainer  # noqa: E402
 from safe_trainers.trainers import trainer_class  # noqa: E402
 from safe_trainers.testing.faults import Fault  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -43,18 +52,28 @@ def parse(argv=None):
     parser.add_argument("--fault", action="append", default=[], help="kind:step (a NaN fault on every rank)")
     parser.add_argument("--max_steps", type=int, default=10)
     parser.add_argument("--save_steps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--kill_stage", type=int, default=1)
+    parser.add_argument("--die_before_train", default="", help="ATTEMPTS, as in --kill")
+    parser.add_argument("--backdate", type=float, default=0.0)
+    parser.add_argument("--truncate", default="", help="STEP:FILE")
+    parser.add_argument("--save_total_limit", type=int, default=None)
+    parser.add_argument("--rollback_from", default="memory")
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
     return parser.parse_args(argv)
+
+
+def in_attempts(attempts: str) -> bool:
+    """Whether this attempt is one of `attempts` (`0,2`, or `1-` for 1 and every later one)."""
+    if attempts.endswith("-"):
+        return ATTEMPT >= int(attempts[:-1])
+    return ATTEMPT in {int(a) for a in attempts.split(",")}
 
 
 def kills_at(spec: str, rank: int) -> int | None:
     """The step `spec` kills this attempt on this rank at, or `None`."""
     parts = spec.split(":")
-    attempts = parts[1]
-    if attempts.endswith("-"):
-        hit = ATTEMPT >= int(attempts[:-1])
-    else:
-        hit = ATTEMPT in {int(a) for a in attempts.split(",")}
-    if hit and (len(parts) < 3 or int(parts[2]) == rank):
+    if in_attempts(parts[1]) and (len(parts) < 3 or int(parts[2]) == rank):
         return int(parts[0])
     return None
 
@@ -63,10 +82,12 @@ class KillingDPOTrainer(trainer_class("dpo")):
     """Logs every micro-batch to the stream file, and kills the process where `--kill` says."""
 
     stream = None
+    stage = 1
     kill_steps: set[int] = set()
 
     def _log(self, event: str, inputs) -> None:
-        line = {"attempt": ATTEMPT, "step": self.state.global_step + 1, "event": event, "hash": batch_hash(inputs)}
+        step = self.state.global_step + 1
+        line = {"attempt": ATTEMPT, "stage": self.stage, "step": step, "event": event, "hash": batch_hash(inputs)}
         self.stream.write(json.dumps(line) + "\n")
         self.stream.flush()
 
@@ -82,6 +103,27 @@ class KillingDPOTrainer(trainer_class("dpo")):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+class DamagesCheckpoints(TrainerCallback):
+    """After each save: backdate the checkpoint's files (`--backdate`), or truncate one of its files (`--truncate`)."""
+
+    def __init__(self, backdate: float, truncate: str):
+        self.backdate = backdate
+        self.truncate = truncate.split(":") if truncate and ATTEMPT == 0 else None
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if self.backdate:
+            past = time.time() - self.backdate
+            for root, _, names in os.walk(path):
+                for name in [*names, "."]:
+                    os.utime(os.path.join(root, name), (past, past))
+        if self.truncate is not None and int(self.truncate[0]) == state.global_step:
+            file = os.path.join(path, self.truncate[1])
+            os.truncate(file, os.path.getsize(file) // 2)
+
+
 def expected_stream(trainer, micro_batches: int) -> list[str]:
     loader = trainer.accelerator.prepare(trainer.get_train_dataloader())
     if hasattr(loader, "set_epoch"):
@@ -94,24 +136,45 @@ def expected_stream(trainer, micro_batches: int) -> list[str]:
     return hashes
 
 
+def checksum(model) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(ns.out, exist_ok=True)
     KillingDPOTrainer.stream = open(os.path.join(ns.out, f"stream-rank{rank}.jsonl"), "a")
-    KillingDPOTrainer.kill_steps = {s for s in (kills_at(spec, rank) for spec in ns.kill) if s is not None}
+    kill_steps = {s for s in (kills_at(spec, rank) for spec in ns.kill) if s is not None}
     faults = [Fault(step=int(spec.split(":")[1]), kind=spec.split(":")[0]) for spec in ns.fault]
-    trainer = build_trainer(
-        "dpo",
-        ns.model,
-        os.path.join(ns.out, "run"),
-        preset="guarded",
-        faults=faults,
-        trainer_cls=KillingDPOTrainer,
-        max_steps=ns.max_steps,
-        save_steps=ns.save_steps,
-    )
-    trainer.train()  # nothing but the restart: the elastic agent's restart count tells the trainer
+    model = ns.model
+    for stage in range(1, ns.stages + 1):
+        KillingDPOTrainer.stage = stage
+        KillingDPOTrainer.kill_steps = kill_steps if stage == ns.kill_stage else set()
+        trainer = build_trainer(
+            "dpo",
+            model,
+            os.path.join(ns.out, "run" if stage == 1 else f"run{stage}"),
+            preset="guarded",
+            faults=faults if stage == ns.kill_stage else [],
+            trainer_cls=KillingDPOTrainer,
+            max_steps=ns.max_steps,
+            save_steps=ns.save_steps,
+            save_total_limit=ns.save_total_limit,
+            nan_rollback_from=ns.rollback_from,
+            learning_rate=ns.learning_rate,
+        )
+        trainer.add_callback(DamagesCheckpoints(ns.backdate, ns.truncate))
+        if ns.die_before_train and in_attempts(ns.die_before_train):
+            os.kill(os.getpid(), signal.SIGKILL)
+        # Nothing but the restart: the elastic agent's restart count tells the trainer.
+        output = trainer.train()
+        returned = {"attempt": ATTEMPT, "stage": stage, "global_step": output.global_step,
+                    "training_loss": output.training_loss, "metrics": output.metrics,
+                    "checksum": checksum(trainer.model)}  # fmt: skip
+        with open(os.path.join(ns.out, f"stages-rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(returned) + "\n")
+        model = trainer.model
     guard = trainer.nan_guard
     result = {
         "attempt": ATTEMPT,
@@ -120,7 +183,7 @@ def main(argv=None) -> int:
         "skipped": guard.state.skipped_steps,
         "rollbacks": guard.state.rollbacks,
         "lr_scale": guard.state.lr_scale,
-        "checksum": float(sum(p.detach().double().sum() for p in trainer.model.parameters())),
+        "checksum": checksum(trainer.model),
         "expected": expected_stream(trainer, ns.max_steps * trainer.args.gradient_accumulation_steps),
     }
     with open(os.path.join(ns.out, f"result-rank{rank}.json"), "w") as f:
