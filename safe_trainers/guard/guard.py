@@ -12,6 +12,7 @@ only the weights and optimizer state of the last snapshot (see `recovery.py`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Any
@@ -62,6 +63,7 @@ class NanGuard:
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags = StepFlags()
+        self.preemption = self.watchdog = None  # `PreemptionCallback`, `HangWatchdog` (see `mixin.py`), if any
         self._consecutive = 0
         self._refresh_best = False
 
@@ -131,7 +133,7 @@ class NanGuard:
         deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
         skipped = deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)
         step = self.trainer.state.global_step + 1
-        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, skipped, dropped)
+        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, skipped, dropped, self.preemption)
         self.batches.end_step(step)
         self.ledger.end_step(fault)
         return fault
@@ -239,7 +241,8 @@ class NanGuard:
 
     # ------------------------------------------------------------------ actions
     def take_snapshot(self) -> None:
-        self.snapshotter.take(self.trainer.state)
+        with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+            self.snapshotter.take(self.trainer.state)  # a copy of the whole state: not timed as part of the step
         # Taken in `on_step_end`, before this step's evaluation and save, which belong to the same weights: the
         # best-model fields are refreshed at the next boundary (or rollback), once they have run.
         self._refresh_best = True

@@ -5,7 +5,8 @@ Launched by tests/guard/test_guard_restart.py, e.g.:
         --out DIR --kill 6:0 --kill 7:1-
 `--kill STEP:ATTEMPTS[:RANK]` kills the process when it feeds a micro-batch of optimizer step STEP to the model, in
 the attempts listed (`0,2`, or `1-` for 1 and every later one; the attempt is torchrun's restart count), on one rank
-or all. Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
+or all. `--preempt` sends the process a SIGTERM there instead (a preemption: training goes on), and `--hang` sleeps
+there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling). Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
 it: `delivered` when the dataloader hands it to `training_step`, `fed` when it reaches the model. The attempt that
 finishes writes `DIR/result-rank<r>.json`, with `expected`: the fingerprints of the micro-batches an uninterrupted
 run trains, in order (one fresh pass over the prepared train dataloader).
@@ -18,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,6 +42,9 @@ def parse(argv=None):
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="append", default=[], help="STEP:ATTEMPTS[:RANK]")
+    parser.add_argument("--preempt", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (SIGTERM to itself)")
+    parser.add_argument("--hang", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (sleeps forever)")
+    parser.add_argument("--hang_timeout", type=float, default=900.0)
     parser.add_argument("--fault", action="append", default=[], help="kind:step (a NaN fault on every rank)")
     parser.add_argument("--max_steps", type=int, default=10)
     parser.add_argument("--save_steps", type=int, default=4)
@@ -64,6 +69,8 @@ class KillingDPOTrainer(trainer_class("dpo")):
 
     stream = None
     kill_steps: set[int] = set()
+    signal_steps: set[int] = set()
+    hang_steps: set[int] = set()
 
     def _log(self, event: str, inputs) -> None:
         line = {"attempt": ATTEMPT, "step": self.state.global_step + 1, "event": event, "hash": batch_hash(inputs)}
@@ -77,8 +84,15 @@ class KillingDPOTrainer(trainer_class("dpo")):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training and not self.nan_guard.replaying:  # not the guard's diagnostic replay of a NaN step
             self._log("fed", inputs)
-            if self.state.global_step + 1 in self.kill_steps:
+            step = self.state.global_step + 1
+            if step in self.kill_steps:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step in self.signal_steps:
+                self.signal_steps.discard(step)  # once (the micro-batches of the step go on)
+                os.kill(os.getpid(), signal.SIGTERM)
+            if step in self.hang_steps:
+                while True:
+                    time.sleep(3600)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
@@ -100,6 +114,8 @@ def main(argv=None) -> int:
     os.makedirs(ns.out, exist_ok=True)
     KillingDPOTrainer.stream = open(os.path.join(ns.out, f"stream-rank{rank}.jsonl"), "a")
     KillingDPOTrainer.kill_steps = {s for s in (kills_at(spec, rank) for spec in ns.kill) if s is not None}
+    KillingDPOTrainer.signal_steps = {s for s in (kills_at(spec, rank) for spec in ns.preempt) if s is not None}
+    KillingDPOTrainer.hang_steps = {s for s in (kills_at(spec, rank) for spec in ns.hang) if s is not None}
     faults = [Fault(step=int(spec.split(":")[1]), kind=spec.split(":")[0]) for spec in ns.fault]
     trainer = build_trainer(
         "dpo",
@@ -110,6 +126,7 @@ def main(argv=None) -> int:
         trainer_cls=KillingDPOTrainer,
         max_steps=ns.max_steps,
         save_steps=ns.save_steps,
+        hang_timeout=ns.hang_timeout,
     )
     trainer.train()  # nothing but the restart: the elastic agent's restart count tells the trainer
     guard = trainer.nan_guard
