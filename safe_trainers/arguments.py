@@ -197,7 +197,7 @@ def validate_safety_arguments(settings: Any) -> None:
         settings.preempt_signals = [s for s in settings.preempt_signals.replace(",", " ").split() if s]
     parse_signals(settings.preempt_signals)
     checks = [
-        ("hang_timeout", math.isfinite(settings.hang_timeout) and settings.hang_timeout >= 0, "a number >= 0 (0 disables)"),
+        ("hang_timeout", math.isfinite(settings.hang_timeout) and settings.hang_timeout >= 0, "a number >= 0 (0 off)"),
         ("hang_timeout_factor", settings.hang_timeout_factor > 1, "a number > 1"),
         ("nan_snapshot_steps", settings.nan_snapshot_steps >= 1, "an integer >= 1"),
         ("nan_max_rollbacks", settings.nan_max_rollbacks >= 0, "an integer >= 0"),

@@ -155,7 +155,8 @@ class HangWatchdog(TrainerCallback):
     def _hung(self, elapsed: float, bound: float) -> None:
         """Write every thread's stack, say so, and end the process at once (a hung thread cannot be unwound)."""
         path = stacks_path(self.output_dir, self.rank)
-        learned = f"{self.timed} steps timed, slowest {self.slowest:.3f} s" if self.slowest is not None else "not learned"
+        slowest = self.slowest
+        learned = f"{self.timed} steps timed, slowest {slowest:.3f} s" if slowest is not None else "not learned"
         head = (
             f"=== rank {self.rank}, attempt {self.attempt}: step {self._step} has run {elapsed:.1f} s, past the hang "
             f"bound of {bound:.1f} s ({learned}; hang_timeout={self.ceiling:g}, "

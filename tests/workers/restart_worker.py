@@ -6,7 +6,8 @@ Launched by tests/guard/test_guard_restart.py, e.g.:
 `--kill STEP:ATTEMPTS[:RANK]` kills the process when it feeds a micro-batch of optimizer step STEP to the model, in
 the attempts listed (`0,2`, or `1-` for 1 and every later one; the attempt is torchrun's restart count), on one rank
 or all. `--preempt` sends the process a SIGTERM there instead (a preemption: training goes on), and `--hang` sleeps
-there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling). Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
+there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling).
+Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
 it: `delivered` when the dataloader hands it to `training_step`, `fed` when it reaches the model. The attempt that
 finishes writes `DIR/result-rank<r>.json`, with `expected`: the fingerprints of the micro-batches an uninterrupted
 run trains, in order (one fresh pass over the prepared train dataloader).
