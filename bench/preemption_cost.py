@@ -9,6 +9,9 @@
    `--hang-timeout` seconds: the bound before it is learned, and its ceiling) writes the stacks and exits with status
    124; the agent restarts it from the newest checkpoint. Timed: hang -> stacks written, hang -> the hung step begins
    again in the restarted process.
+3. Per-step cost: the same DPO run in this process with stock TRL, with the guard as shipped (preemption handling and
+   the watchdog on), and with the guard but `preempt_signals=[]`, `hang_timeout=0`; interleaved rounds, median step
+   times, ratios within each round.
 
     python bench/preemption_cost.py                       # CPU: a 1M-parameter model, ~0.1 s steps here
     python bench/preemption_cost.py --ranks 2             # DDP on 2 processes, the signal to rank 1 only
@@ -143,6 +146,46 @@ def measure_hang(ns, root: str, model_dir: str) -> None:
     print_table(rows)
 
 
+def measure_overhead(ns, root: str, model_dir: str) -> None:
+    import statistics
+
+    import trl
+    from workload import StepTimer, dataset, quiet, release
+
+    from safe_trainers.testing.build import build_trainer
+
+    quiet()
+    data = dataset(ns.overhead_steps * ns.batch, ns.seq)
+    configs = {
+        "stock TRL": dict(trainer_cls=trl.DPOTrainer, config_cls=trl.DPOConfig),
+        "guard, preemption and watchdog on (defaults)": {},
+        "guard, `preempt_signals=[]`, `hang_timeout=0`": dict(preempt_signals=[], hang_timeout=0),
+    }
+    medians: dict[str, list[float]] = {name: [] for name in configs}
+    for round_index in range(ns.rounds):
+        names = list(configs) if round_index % 2 == 0 else list(reversed(configs))
+        for name in names:
+            trainer = build_trainer(
+                "dpo", model_dir, os.path.join(root, f"overhead{round_index}-{len(medians[name])}"), dataset=data,
+                max_steps=ns.overhead_steps, per_device_train_batch_size=ns.batch, logging_steps=10,
+                precompute_ref_log_probs=False, save_strategy="no", **configs[name],
+            )  # fmt: skip
+            timer = StepTimer()
+            trainer.add_callback(timer)
+            trainer.train()
+            medians[name].append(statistics.median(timer.times[2:]))
+            del trainer
+            release()
+    stock = medians["stock TRL"]
+    print(f"\nPer-step cost, 1 process, {ns.rounds} interleaved rounds of {ns.overhead_steps} steps (median step)\n")
+    width = max(len(name) for name in configs)
+    print(f"| {'run':<{width}} | step (ms) | ratio to stock TRL |")
+    print(f"|{'-' * (width + 2)}|-----------|--------------------|")
+    for name, values in medians.items():
+        ratio = statistics.median(v / s for v, s in zip(values, stock))
+        print(f"| {name:<{width}} | {statistics.median(values) * 1e3:>9.1f} | {ratio:>18.3f} |")
+
+
 def print_table(rows) -> None:
     width = max(len(name) for name, _ in rows)
     print(f"| {'measure':<{width}} | {'time':>10} |")
@@ -163,6 +206,8 @@ def main(argv=None) -> int:
     parser.add_argument("--signal-rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--hang-step", type=int, default=16)
     parser.add_argument("--hang-timeout", type=float, default=15.0)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the per-step cost")
+    parser.add_argument("--overhead-steps", type=int, default=30)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
@@ -176,6 +221,7 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="preemption-bench-", dir=ns.dir)
     try:
         model_dir = build_model_dir(root, ns.hidden, ns.layers)
+        measure_overhead(ns, root, model_dir)
         measure_preemption(ns, root, model_dir)
         measure_hang(ns, root, model_dir)
     finally:

@@ -12,7 +12,6 @@ only the weights and optimizer state of the last snapshot (see `recovery.py`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from typing import Any
@@ -35,6 +34,7 @@ from .recovery import (
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 from .step_flags import StepFlags, loss_scale
+from .watchdog import UNWATCHED
 
 logger = logging.getLogger("safe_trainers")
 
@@ -63,7 +63,7 @@ class NanGuard:
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags = StepFlags()
-        self.preemption = self.watchdog = None  # `PreemptionCallback`, `HangWatchdog` (see `mixin.py`), if any
+        self.preemption, self.watchdog = None, UNWATCHED  # or a `PreemptionCallback`, a `HangWatchdog` (run_control)
         self._consecutive = 0
         self._refresh_best = False
 
@@ -241,8 +241,8 @@ class NanGuard:
 
     # ------------------------------------------------------------------ actions
     def take_snapshot(self) -> None:
-        with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
-            self.snapshotter.take(self.trainer.state)  # a copy of the whole state: not timed as part of the step
+        with self.watchdog.paused():  # a copy of the whole state: not timed as part of the step by the hang watchdog
+            self.snapshotter.take(self.trainer.state)
         # Taken in `on_step_end`, before this step's evaluation and save, which belong to the same weights: the
         # best-model fields are refreshed at the next boundary (or rollback), once they have run.
         self._refresh_best = True
@@ -266,7 +266,8 @@ class NanGuard:
 
     def _restore_last_good(self) -> Restored:
         self._refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
-        restored = restore_last_good(self.trainer, self.snapshotter, self.settings.nan_lr_backoff)
+        with self.watchdog.paused():  # from memory, or a whole checkpoint from disk
+            restored = restore_last_good(self.trainer, self.snapshotter, self.settings.nan_lr_backoff)
         self._after_restore(restored)
         return restored
 

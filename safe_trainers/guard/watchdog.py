@@ -3,10 +3,11 @@
 A weight sync that never returns, a generation that all-gathers ZeRO-3 weights at every token, a rank stuck in a
 collective: without a watchdog the run waits out the collective timeout (`ddp_timeout`, 30 minutes by default) and
 dies without saying where each rank was. Here each rank runs a [`HangWatchdog`] thread that the training loop feeds
-with host-side heartbeats from its callbacks (`self.clock()` when a step begins and when the guard has inspected
+with host-side heartbeats from its callbacks (`time.monotonic()` when a step begins and when the guard has inspected
 it; no device synchronisation). The watchdog is armed only inside a step (from `on_step_begin` to the end of the
-guard's inspection of the step, its per-step all-reduce included, a snapshot's copy excluded); evaluation, saving and
-logging between steps may take as long as they take. GRPO/RLOO generation happens inside a step and is timed with it.
+guard's inspection of the step, its collectives included; a snapshot's copy and a rollback's restore are not timed);
+evaluation, saving and logging between steps may take as long as they take. GRPO/RLOO generation happens inside a
+step and is timed with it.
 
 The bound is a pure function of the steps timed so far ([`hang_bound`]): before `LEARN_AFTER` steps were timed (the
 first step of each process, with its compilation and warm-up, is not), the ceiling `hang_timeout`; then
@@ -180,4 +181,14 @@ class HangWatchdog(TrainerCallback):
             os._exit(HUNG_EXIT_CODE)
 
 
-__all__ = ["HANG_FLOOR", "HUNG_EXIT_CODE", "HangWatchdog", "hang_bound", "stacks_path"]
+class _Unwatched:
+    """No watchdog (`hang_timeout=0`, or before one is attached): nothing is timed."""
+
+    @staticmethod
+    def paused() -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+UNWATCHED = _Unwatched()
+
+__all__ = ["HANG_FLOOR", "HUNG_EXIT_CODE", "UNWATCHED", "HangWatchdog", "hang_bound", "stacks_path"]

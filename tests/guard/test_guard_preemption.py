@@ -9,16 +9,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints, recording
-from test_guard_restart import assert_uninterrupted_batches, launch_restarting, steps
+from test_guard_restart import REPO, WORKER, assert_uninterrupted_batches, launch_restarting, steps
 from transformers import TrainerCallback
 
+from safe_trainers.configs import config_class
 from safe_trainers.guard import read_events
 from safe_trainers.guard.preemption import PREEMPTED_EXIT_CODE, Preempted, parse_signals, stop_step
 from safe_trainers.guard.watchdog import HANG_FLOOR, HangWatchdog, hang_bound
 from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.toy import save_toy_model
 from safe_trainers.trainers import trainer_class
 
 
@@ -32,6 +37,10 @@ def test_signal_names_and_the_agreed_stop_step():
         parse_signals(["SIGNOPE"])
     with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
         parse_signals(["KILL"])
+    with pytest.raises(ValueError, match="`preempt_signals` contains 'SIGNOPE'"):
+        config_class("dpo")(output_dir="unused", preempt_signals=["SIGNOPE"])
+    with pytest.raises(ValueError, match="`hang_timeout` must be a number >= 0"):
+        config_class("dpo")(output_dir="unused", hang_timeout=-1)
     # Every rank reads the same agreed bits, so every rank stops at the same step: `lag` after the first set bit.
     assert stop_step([(4, False), (5, True), (6, True)], lag=1) == 6
     assert stop_step([(4, False)], lag=1) is None
@@ -184,3 +193,41 @@ def test_a_rank_that_hangs_is_detected_and_a_step_that_hangs_twice_is_skipped(tm
     events = read_events(str(run))
     assert [(e["step"], e["kind"]) for e in events] == [(4, "resume"), (4, "resume"), (6, "poison"), (6, "skip")]
     assert events[1]["deaths"] == [{"attempt": 0, "step": 6}, {"attempt": 1, "step": 6}]
+
+
+@pytest.mark.distributed
+def test_sigterm_to_the_agent_reaches_every_rank_and_a_new_job_resumes(tmp_path):
+    # As SLURM or Kubernetes stop a job: SIGTERM to torchrun, which forwards it to both workers. They publish the
+    # checkpoint of one agreed step; the agent, told to stop, exits without restarting. The re-submitted job
+    # (`resume_from_checkpoint=True`) goes on at the next step with the batches of an uninterrupted run.
+    model, out = save_toy_model(str(tmp_path / "model"), "qwen2"), tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", WORKER,
+        "--model", model, "--out", str(out), "--max_steps", "40", "--save_steps", "100",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    agent = subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stream = out / "stream-rank0.jsonl"
+    deadline = time.monotonic() + 300
+    while not (stream.exists() and stream.read_text().count('"step": 4, "event": "fed"')):
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[0][-3000:]
+        time.sleep(0.2)
+    agent.send_signal(signal.SIGTERM)
+    log = agent.communicate(timeout=120)[0].decode()
+    assert agent.returncode != 0 and "exiting with status 75 (preempted, resumable)" in log, log[-3000:]
+    run = out / "run"
+    published = [int(name.split("-")[1]) for name in os.listdir(run) if name.startswith("checkpoint-")]
+    assert len(published) == 1 and published[0] >= 4, published
+    stopped = published[0]
+    event = [e for e in read_events(str(run)) if e["kind"] == "preempt"][0]
+    assert event["step"] == stopped and event["ranks"] == [0, 1]
+
+    again = subprocess.run([*cmd, "--resume"], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for rank in (0, 1):
+        lines = [json.loads(line) for line in (out / f"stream-rank{rank}.jsonl").read_text().splitlines()]
+        result = json.loads((out / f"result-rank{rank}.json").read_text())
+        assert_uninterrupted_batches(result, lines)
+        fed = [line["step"] for line in lines if line["event"] == "fed"]
+        assert fed == list(range(1, 41))  # steps 1 to `stopped`, then the new job's: none lost, none repeated
+        assert result["global_step"] == 40

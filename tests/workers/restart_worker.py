@@ -47,6 +47,7 @@ def parse(argv=None):
     parser.add_argument("--hang", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (sleeps forever)")
     parser.add_argument("--hang_timeout", type=float, default=900.0)
     parser.add_argument("--fault", action="append", default=[], help="kind:step (a NaN fault on every rank)")
+    parser.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True): a new job")
     parser.add_argument("--max_steps", type=int, default=10)
     parser.add_argument("--save_steps", type=int, default=4)
     return parser.parse_args(argv)
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
         save_steps=ns.save_steps,
         hang_timeout=ns.hang_timeout,
     )
-    trainer.train()  # nothing but the restart: the elastic agent's restart count tells the trainer
+    trainer.train(resume_from_checkpoint=True if ns.resume else None)  # a restart: the agent's count tells it
     guard = trainer.nan_guard
     result = {
         "attempt": ATTEMPT,
