@@ -11,7 +11,7 @@
    again in the restarted process.
 3. Per-step cost: the same DPO run in this process with stock TRL, with the guard as shipped (preemption handling and
    the watchdog on), and with the guard but `preempt_signals=[]`, `hang_timeout=0`; interleaved rounds, median step
-   times, ratios within each round.
+   times (CPU time of the process with `--cpu-time`, steadier on a shared machine), ratios within each round.
 
     python bench/preemption_cost.py                       # CPU: a 1M-parameter model, ~0.1 s steps here
     python bench/preemption_cost.py --ranks 2             # DDP on 2 processes, the signal to rank 1 only
@@ -119,7 +119,8 @@ def measure_preemption(ns, root: str, model_dir: str) -> None:
     trained = [m["step"] for m in marks if m["attempt"] == 0 and m["event"] == "step_end"]
     lost = sum(1 for m in marks if m["attempt"] == 1 and m["event"] == "step_end" and m["step"] in trained)
     rows = [
-        (f"signal (step {ns.signal_step} begins) -> checkpoint-{saved} published", at(marks, 0, "saved", saved) - sent),
+        (f"signal (step {ns.signal_step} begins) -> checkpoint-{saved} published",
+         at(marks, 0, "saved", saved) - sent),
         ("signal -> process exit (status 75)", at(marks, 0, "exit") - sent),
         (f"signal -> restarted process begins step {first}", at(marks, 1, "step_begin", first) - sent),
     ]
@@ -141,7 +142,8 @@ def measure_hang(ns, root: str, model_dir: str) -> None:
          at(marks, 1, "step_begin", ns.hang_step) - hung),
     ]  # fmt: skip
     step = step_time(marks, ns.hang_step)
-    print(f"\nHang: every rank of {ns.nproc} sleeps forever in step {ns.hang_step}; `hang_timeout={ns.hang_timeout:g}` "
+    print(f"\nHang: every rank of {ns.nproc} sleeps forever in step {ns.hang_step}; "
+          f"`hang_timeout={ns.hang_timeout:g}` "
           f"(the bound until it is learned); a step takes {step * 1e3:.1f} ms\n")  # fmt: skip
     print_table(rows)
 
@@ -170,14 +172,16 @@ def measure_overhead(ns, root: str, model_dir: str) -> None:
                 max_steps=ns.overhead_steps, per_device_train_batch_size=ns.batch, logging_steps=10,
                 precompute_ref_log_probs=False, save_strategy="no", **configs[name],
             )  # fmt: skip
-            timer = StepTimer()
+            timer = StepTimer(time.process_time) if ns.cpu_time else StepTimer()
             trainer.add_callback(timer)
             trainer.train()
             medians[name].append(statistics.median(timer.times[2:]))
             del trainer
             release()
     stock = medians["stock TRL"]
-    print(f"\nPer-step cost, 1 process, {ns.rounds} interleaved rounds of {ns.overhead_steps} steps (median step)\n")
+    clock = "CPU time" if ns.cpu_time else "wall time"
+    print(f"\nPer-step cost, 1 process, {ns.rounds} interleaved rounds of {ns.overhead_steps} steps (median step, "
+          f"{clock})\n")
     width = max(len(name) for name in configs)
     print(f"| {'run':<{width}} | step (ms) | ratio to stock TRL |")
     print(f"|{'-' * (width + 2)}|-----------|--------------------|")
@@ -208,6 +212,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hang-timeout", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the per-step cost")
     parser.add_argument("--overhead-steps", type=int, default=30)
+    parser.add_argument("--cpu-time", action="store_true", help="time steps in CPU time (a shared CPU machine)")
+    parser.add_argument("--only", choices=["overhead", "restarts"], default=None, help="run one part")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
@@ -221,9 +227,11 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="preemption-bench-", dir=ns.dir)
     try:
         model_dir = build_model_dir(root, ns.hidden, ns.layers)
-        measure_overhead(ns, root, model_dir)
-        measure_preemption(ns, root, model_dir)
-        measure_hang(ns, root, model_dir)
+        if ns.only != "restarts":
+            measure_overhead(ns, root, model_dir)
+        if ns.only != "overhead":
+            measure_preemption(ns, root, model_dir)
+            measure_hang(ns, root, model_dir)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
