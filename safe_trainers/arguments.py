@@ -132,6 +132,24 @@ class SafetyArguments:
         },
     )
 
+    preempt_signals: list[str] = field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+        metadata={
+            "help": "Signals that mean preempted: finish the step on every rank, publish a verified checkpoint, exit "
+            "with status 75 ([] leaves signals alone; needs `nan_guard`)."
+        },
+    )
+    hang_timeout: float = field(
+        default=900.0,
+        metadata={
+            "help": "Ceiling, in seconds, on a step's time before the run is taken for hung (stacks written, exit "
+            "124, restart); the bound learned from the run's steps is usually far lower (0 disables)."
+        },
+    )
+    hang_timeout_factor: float = field(
+        default=10.0, metadata={"help": "The learned hang bound in multiples of the slowest step timed so far."}
+    )
+
     def __post_init__(self):
         validate_safety_arguments(self)
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -173,7 +191,14 @@ def validate_safety_arguments(settings: Any) -> None:
             "`\"memory\"` (the default) to roll back to a host copy, or `\"checkpoint\"` to roll back to the newest "
             "verified checkpoint when host memory cannot hold a copy of the weights and optimizer state."
         )
+    from .guard.preemption import parse_signals
+
+    if isinstance(settings.preempt_signals, str):
+        settings.preempt_signals = [s for s in settings.preempt_signals.replace(",", " ").split() if s]
+    parse_signals(settings.preempt_signals)
     checks = [
+        ("hang_timeout", math.isfinite(settings.hang_timeout) and settings.hang_timeout >= 0, "a number >= 0 (0 off)"),
+        ("hang_timeout_factor", settings.hang_timeout_factor > 1, "a number > 1"),
         ("nan_snapshot_steps", settings.nan_snapshot_steps >= 1, "an integer >= 1"),
         ("nan_max_rollbacks", settings.nan_max_rollbacks >= 0, "an integer >= 0"),
         ("nan_max_consecutive_skips", settings.nan_max_consecutive_skips >= 1, "an integer >= 1"),

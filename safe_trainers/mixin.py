@@ -12,6 +12,8 @@ from transformers.trainer_callback import DefaultFlowCallback
 from .arguments import SafetyArguments
 from .configs import config_class
 from .guard import NanGuard, NanGuardCallback
+from .guard.preemption import refuse_jit_checkpoint
+from .guard.run_control import attach_run_control
 from .guard.step_progress import StepProgressCallback
 from .guard.trainer_hooks import NanGuardTrainerMixin
 from .kinds import get_kind
@@ -68,6 +70,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         arguments.pop("self")
         setup = self._build_setup(arguments)
         settings = SafetyArguments.from_config(setup.args)
+        refuse_jit_checkpoint(setup.args, settings.nan_guard)  # before transformers installs its SIGTERM handler
         setup, report = run_setup_rules(setup, settings)
         source = setup.train_dataset
         source_rows = len(source) if source is not None and hasattr(source, "__len__") else None
@@ -94,6 +97,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             # rolls back, so a death there is never blamed on the step's data.
             self.step_progress = StepProgressCallback(self.nan_guard)
             callbacks.insert(flow + 1, self.step_progress)
+            attach_run_control(self, settings)  # preemption and hang detection (see `guard/run_control.py`)
 
     def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
         model = arguments.get("model")

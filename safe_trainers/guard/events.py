@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 EventKind = Literal[
-    "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison"
+    "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt"
 ]
 EVENTS_FILE = "nan_events.jsonl"
 
@@ -28,7 +28,8 @@ class NanEvent:
             training ended, the last good state was put back over a state damaged after the last check), `"resume"`
             (the run resumed, or was restarted by the elastic agent: from which checkpoint, which newer ones were
             passed over and why, which earlier processes died where), `"poison"` (a step's batches killed the
-            process several times in a row and are skipped: which micro-batches, which attempts died).
+            process several times in a row and are skipped: which micro-batches, which attempts died), `"preempt"`
+            (a preemption signal: which ranks received it, and the step of the checkpoint published before exiting).
         nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
             `"rewards"`, `"advantages"`.
         ranks (`list[int]`): the ranks where the loss was non-finite (all ranks see a non-finite gradient norm).

@@ -35,6 +35,7 @@ from .recovery import (
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 from .step_flags import StepFlags, loss_scale
+from .watchdog import UNWATCHED
 
 logger = logging.getLogger("safe_trainers")
 
@@ -63,6 +64,7 @@ class NanGuard:
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags = StepFlags()
+        self.preemption, self.watchdog = None, UNWATCHED  # or a `PreemptionCallback`, a `HangWatchdog` (run_control)
         self._consecutive = 0
         self._refresh_best = False
 
@@ -132,7 +134,7 @@ class NanGuard:
         deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
         skipped = deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)
         step = self.trainer.state.global_step + 1
-        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, skipped, dropped)
+        fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, skipped, dropped, self.preemption)
         self.batches.end_step(step)
         self.ledger.end_step(fault)
         return fault
@@ -240,7 +242,8 @@ class NanGuard:
 
     # ------------------------------------------------------------------ actions
     def take_snapshot(self) -> None:
-        self.snapshotter.take(self.trainer.state)
+        with self.watchdog.paused():  # a copy of the whole state: not timed as part of the step by the hang watchdog
+            self.snapshotter.take(self.trainer.state)
         # Taken in `on_step_end`, before this step's evaluation and save, which belong to the same weights: the
         # best-model fields are refreshed at the next boundary (or rollback), once they have run.
         self._refresh_best = True
@@ -264,7 +267,8 @@ class NanGuard:
 
     def _restore_last_good(self) -> Restored:
         self._refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
-        restored = restore_last_good(self.trainer, self.snapshotter, self.settings.nan_lr_backoff)
+        with self.watchdog.paused():  # from memory, or a whole checkpoint from disk
+            restored = restore_last_good(self.trainer, self.snapshotter, self.settings.nan_lr_backoff)
         self._after_restore(restored)
         return restored
 

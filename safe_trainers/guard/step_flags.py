@@ -62,11 +62,19 @@ class StepFlags:
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
     def end_step(
-        self, step: int, grad_norm: Any, device: Any, optimizer_skipped: bool = False, dropped: bool = False
+        self,
+        step: int,
+        grad_norm: Any,
+        device: Any,
+        optimizer_skipped: bool = False,
+        dropped: bool = False,
+        rider: Any = None,
     ) -> torch.Tensor:
         """Close step `step`: combine the loss flag with the gradient norm, agree across ranks (one all-reduce), keep
         the record, and return the device fault flag. `optimizer_skipped`: DeepSpeed already skipped this step.
-        `dropped`: every rank left this step's batches untrained (a poisoned step): a fault, whatever the scaler."""
+        `dropped`: every rank left this step's batches untrained (a poisoned step): a fault, whatever the scaler.
+        `rider`: a flag that rides on the same all-reduce (the preemption bit, see `preemption.py`): its
+        `local_bit(device)` is OR-ed across ranks and handed back, on the device, to its `agreed(step, bit)`."""
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         norm = (
             grad_norm
@@ -77,7 +85,11 @@ class StepFlags:
         norm_bad = ~torch.isfinite(norm)
         if optimizer_skipped:
             norm_bad = norm_bad | torch.tensor(True, device=local.device)
-        agreed = agree_any(torch.stack([local, norm_bad]))  # [any rank's loss non-finite, gradient non-finite]
+        extra = rider.local_bit(local.device) if rider is not None else None
+        flags = [local, norm_bad] + ([extra] if extra is not None else [])
+        agreed = agree_any(torch.stack(flags))  # [any rank's loss non-finite, gradient non-finite, (rider's flag)]
+        if extra is not None:
+            rider.agreed(step, agreed[2])
         loss_bad_any, norm_bad_any = agreed[0], agreed[1]
         if self.loss_scaled:
             fault, overflow = loss_bad_any, norm_bad_any & ~loss_bad_any

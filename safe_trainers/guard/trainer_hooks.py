@@ -33,6 +33,7 @@ from .guard import NanGuard
 from .recovery import refuse_save
 from .restart import record_resume, resolve_run
 from .rotation import rotate_up_to
+from .run_control import after_boundary, after_train, exit_if_preempted
 from .step_progress import StepProgressCallback
 
 logger = logging.getLogger("safe_trainers")
@@ -44,6 +45,8 @@ class NanGuardTrainerMixin:
 
     nan_guard: NanGuard | None = None
     step_progress: StepProgressCallback | None = None
+    preemption: Any = None  # `PreemptionCallback` and `HangWatchdog`, see `run_control.py`
+    hang_watchdog: Any = None
     _staging_checkpoint = False
     _starting_checkpoint = False
     _last_finite_total_loss = 0.0
@@ -62,12 +65,15 @@ class NanGuardTrainerMixin:
             record_resume(guard, plan)
             if self.step_progress is not None:
                 self.step_progress.start(plan.history, plan.data, checkpoint_step(plan.checkpoint or "") or 0)
-        output = super().train(
-            resume_from_checkpoint=plan.checkpoint,
-            trial=trial,
-            ignore_keys_for_eval=ignore_keys_for_eval,
-            **kwargs,
-        )
+        try:
+            output = super().train(
+                resume_from_checkpoint=plan.checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
+        finally:
+            after_train(self)  # signal handlers back, watchdog stopped
         if guard is not None:
             guard.finish()
         if guard is not None and "train_loss" in output.metrics:
@@ -77,6 +83,8 @@ class NanGuardTrainerMixin:
             output = TrainOutput(**result)  # what this call returned before the restart
         if self.step_progress is not None:
             self.step_progress.finished(output)
+        if guard is not None:
+            exit_if_preempted(self)  # a signal during the last step: the run finished (and is recorded so), then exits
         return output
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -125,6 +133,7 @@ class NanGuardTrainerMixin:
                 # `log({"loss": ...})` from anywhere else leaves the window alone.
                 self._guard_window = (guard.ledger.close_window(),)
         super()._maybe_log_save_evaluate(*args, **kwargs)
+        after_boundary(self)  # the step every rank stops at for a preemption has saved: exit
 
     # ------------------------------------------------------------------ logs
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -5,7 +5,9 @@ Launched by tests/guard/test_guard_restart.py and test_guard_restart_cluster.py,
         --out DIR --kill 6:0 --kill 7:1-
 `--kill STEP:ATTEMPTS[:RANK]` kills the process when it feeds a micro-batch of optimizer step STEP to the model, in
 the attempts listed (`0,2`, or `1-` for 1 and every later one; the attempt is torchrun's restart count), on one rank
-or all. Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
+or all. `--preempt` sends the process a SIGTERM there instead (a preemption: training goes on), and `--hang` sleeps
+there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling).
+Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
 it: `delivered` when the dataloader hands it to `training_step`, `fed` when it reaches the model. The attempt that
 finishes writes `DIR/result-rank<r>.json`, with `expected`: the fingerprints of the micro-batches an uninterrupted
 run trains, in order (one fresh pass over the prepared train dataloader).
@@ -49,7 +51,11 @@ def parse(argv=None):
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="append", default=[], help="STEP:ATTEMPTS[:RANK]")
+    parser.add_argument("--preempt", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (SIGTERM to itself)")
+    parser.add_argument("--hang", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (sleeps forever)")
+    parser.add_argument("--hang_timeout", type=float, default=900.0)
     parser.add_argument("--fault", action="append", default=[], help="kind:step (a NaN fault on every rank)")
+    parser.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True): a new job")
     parser.add_argument("--max_steps", type=int, default=10)
     parser.add_argument("--save_steps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=1)
@@ -84,6 +90,8 @@ class KillingDPOTrainer(trainer_class("dpo")):
     stream = None
     stage = 1
     kill_steps: set[int] = set()
+    signal_steps: set[int] = set()
+    hang_steps: set[int] = set()
 
     def _log(self, event: str, inputs) -> None:
         step = self.state.global_step + 1
@@ -98,8 +106,15 @@ class KillingDPOTrainer(trainer_class("dpo")):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training and not self.nan_guard.replaying:  # not the guard's diagnostic replay of a NaN step
             self._log("fed", inputs)
-            if self.state.global_step + 1 in self.kill_steps:
+            step = self.state.global_step + 1
+            if step in self.kill_steps:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step in self.signal_steps:
+                self.signal_steps.discard(step)  # once (the micro-batches of the step go on)
+                os.kill(os.getpid(), signal.SIGTERM)
+            if step in self.hang_steps:
+                while True:
+                    time.sleep(3600)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
@@ -146,6 +161,8 @@ def main(argv=None) -> int:
     os.makedirs(ns.out, exist_ok=True)
     KillingDPOTrainer.stream = open(os.path.join(ns.out, f"stream-rank{rank}.jsonl"), "a")
     kill_steps = {s for s in (kills_at(spec, rank) for spec in ns.kill) if s is not None}
+    KillingDPOTrainer.signal_steps = {s for s in (kills_at(spec, rank) for spec in ns.preempt) if s is not None}
+    KillingDPOTrainer.hang_steps = {s for s in (kills_at(spec, rank) for spec in ns.hang) if s is not None}
     faults = [Fault(step=int(spec.split(":")[1]), kind=spec.split(":")[0]) for spec in ns.fault]
     model = ns.model
     for stage in range(1, ns.stages + 1):
@@ -163,12 +180,13 @@ def main(argv=None) -> int:
             save_total_limit=ns.save_total_limit,
             nan_rollback_from=ns.rollback_from,
             learning_rate=ns.learning_rate,
+            hang_timeout=ns.hang_timeout,
         )
         trainer.add_callback(DamagesCheckpoints(ns.backdate, ns.truncate))
         if ns.die_before_train and in_attempts(ns.die_before_train):
             os.kill(os.getpid(), signal.SIGKILL)
-        # Nothing but the restart: the elastic agent's restart count tells the trainer.
-        output = trainer.train()
+        # A restart: the elastic agent's restart count tells the trainer; `--resume` is a new job.
+        output = trainer.train(resume_from_checkpoint=True if ns.resume else None)
         returned = {"attempt": ATTEMPT, "stage": stage, "global_step": output.global_step,
                     "training_loss": output.training_loss, "metrics": output.metrics,
                     "checksum": checksum(trainer.model)}  # fmt: skip

@@ -1,0 +1,246 @@
+"""Preemption: on SIGTERM (or another of `preempt_signals`), finish the step, publish a checkpoint, exit resumable.
+
+A cluster ends a job with a signal first (Kubernetes and spot instances: SIGTERM, then SIGKILL after the grace
+period; SLURM: SIGTERM before its SIGKILL, and `--signal=USR1@120` ahead of the time limit). With `nan_guard=True` the
+trainer takes it as a request to stop at a step boundary:
+
+1. The handler only sets a host flag (the signal may reach every rank, or one).
+2. The ranks agree on the step without a host synchronisation: the flag is folded, as a third element, into the
+   guard's per-step all-reduce of its fault flags (`StepFlags.end_step`), and each rank reads the agreed bit of step
+   `s` back at the end of step `s + 1` (a copy into pinned host memory behind an event, long complete by then; see
+   [`AgreedBits`]). Every rank stops at the end of the same step: step `s + 1` for a signal that arrived during step
+   `s` (in a single process, the host flag is read directly: step `s` itself).
+3. That step saves: the guard verifies the state and publishes it through its staged `_save_checkpoint`, like any
+   checkpoint; then `train()` raises [`Preempted`], a `SystemExit` with status [`PREEMPTED_EXIT_CODE`] (75,
+   `EX_TEMPFAIL`: "temporary failure, retry"). torchrun's agent restarts the workers on that status when
+   `--max-restarts` allows; a re-submitted job resumes with `resume_from_checkpoint=True`. No step is lost.
+
+The handlers are installed when training begins (main thread only), call a Python handler installed before them,
+leave an ignored signal ignored, and are put back when training ends. A second signal ends the process at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .collectives import distributed, ranks_with_flag
+from .events import NanEvent
+
+logger = logging.getLogger("safe_trainers")
+
+PREEMPTED_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the job should be retried
+READ_LAG = 1  # under several ranks, the agreed bit of step `s` is read at the end of step `s + READ_LAG`
+
+
+class Preempted(SystemExit):
+    """Raised by `train()` after a preemption checkpoint was published: the process exits with status 75.
+
+    Attributes:
+        step (`int`): the step of the published checkpoint (the restart continues at `step + 1`).
+        signal (`str`): the signal's name.
+    """
+
+    def __init__(self, step: int, signal_name: str):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+        self.signal = signal_name
+
+
+def parse_signals(names: Sequence[str | int]) -> tuple[signal.Signals, ...]:
+    """`preempt_signals` as signals: `"SIGTERM"`, `"TERM"`, `"usr1"` or a number. Raise a `ValueError` otherwise."""
+    found = []
+    for name in names:
+        text = str(name).strip().upper()
+        try:
+            full = text if text.startswith("SIG") else f"SIG{text}"
+            sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[full]
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"`preempt_signals` contains {name!r}, which is not a signal name. Use names such as `\"SIGTERM\"` "
+                "or `\"SIGUSR1\"`, or `[]` to leave every signal's handling as it is."
+            ) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(
+                f"`preempt_signals` contains {name!r}: {sig.name} cannot be caught. Use SIGTERM or SIGUSR1."
+            )
+        found.append(sig)
+    return tuple(dict.fromkeys(found))
+
+
+def stop_step(agreed: Sequence[tuple[int, bool]], lag: int) -> int | None:
+    """The step every rank stops at: `lag` steps after the first step whose agreed bit is set (`None`: no request)."""
+    first = next((step for step, bit in agreed if bit), None)
+    return None if first is None else first + lag
+
+
+class AgreedBits:
+    """The preemption bit of each step, agreed across ranks on the device and read back one step later.
+
+    Args:
+        device (`torch.device`): the device of the guard's flags.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.local = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._filled = False
+        self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+
+    def local_bit(self, requested: bool) -> torch.Tensor:
+        """This rank's bit for the step closing now (a one-time `fill_` once requested: no transfer, no sync)."""
+        if requested and not self._filled:
+            self.local.fill_(True)
+            self._filled = True
+        return self.local
+
+    def agreed(self, step: int, bit: torch.Tensor) -> None:
+        """Keep step `step`'s agreed bit: on CUDA, copied to pinned host memory behind an event; elsewhere as is."""
+        if self.device.type == "cuda":
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(bit, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((step, host, event))
+        else:
+            self._pending.append((step, bit, None))
+
+    def read_through(self, step: int) -> list[tuple[int, bool]]:
+        """The agreed bits of the steps up to `step` (their copies are complete by now: the wait is on old work)."""
+        out = []
+        while self._pending and self._pending[0][0] <= step:
+            at, value, event = self._pending.popleft()
+            if event is not None:
+                event.synchronize()
+            out.append((at, bool(value)))
+        return out
+
+
+class PreemptionCallback(TrainerCallback):
+    """Installs the signal handlers, decides the step every rank stops at, and has that step save.
+
+    Args:
+        guard ([`NanGuard`]): the trainer's guard (its per-step all-reduce carries the bit; its save verifies).
+        signals (`tuple[signal.Signals]`): the signals that mean "preempted".
+    """
+
+    def __init__(self, guard: Any, signals: tuple[signal.Signals, ...]):
+        self.guard = guard
+        self.signals = signals
+        self.received: signal.Signals | None = None
+        self.received_at: float | None = None
+        self.received_step: int | None = None
+        self.stopping_at: int | None = None
+        self.bits: AgreedBits | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    # ------------------------------------------------------------------ handlers
+    def _handle(self, signum: int, frame: Any) -> None:
+        sig = signal.Signals(signum)
+        if self.received is not None:  # a second signal: the default action, now
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+            return
+        self.received, self.received_at = sig, time.monotonic()
+        self.received_step = self.guard.trainer.state.global_step + 1
+        previous = self._previous.get(sig)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+
+    def install(self) -> None:
+        self.received = self.received_at = self.received_step = self.stopping_at = None
+        if not self.signals or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.signals:
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN:  # ignored on purpose by whoever started us
+                continue
+            self._previous[sig] = previous
+            signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    # ------------------------------------------------------------------ per step (host only)
+    def local_bit(self, device: Any) -> torch.Tensor | None:
+        """This rank's bit to fold into the guard's all-reduce (`None` in a single process: the flag is read
+        directly)."""
+        if not self.signals or not distributed():
+            return None
+        if self.bits is None:
+            self.bits = AgreedBits(device)
+        return self.bits.local_bit(self.received is not None)
+
+    def agreed(self, step: int, bit: torch.Tensor) -> None:
+        if self.bits is not None:
+            self.bits.agreed(step, bit)
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.bits = None
+        self.install()
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        step = state.global_step
+        if self.bits is not None:
+            stop = stop_step(self.bits.read_through(step - READ_LAG), READ_LAG)
+        else:
+            stop = step if self.received is not None else None
+        if stop is not None and self.stopping_at is None:
+            self.stopping_at = step
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.restore()
+
+    # ------------------------------------------------------------------ exit
+    def exit_if_stopping(self, state: Any) -> None:
+        """After the stopping step's save: record the event and raise [`Preempted`] (training not finished)."""
+        if self.stopping_at is None or state.global_step != self.stopping_at:
+            return
+        self.restore()
+        name = self.received.name if self.received is not None else "a signal on another rank"
+        received = torch.tensor([self.received is not None], device=self.guard.trainer.args.device)
+        ranks = ranks_with_flag(received)[0]  # every rank stops at this step: one collective, once
+        detail = {"signal": name, "received_step": self.received_step, "checkpoint_step": self.stopping_at}
+        if self.received_at is not None:
+            detail["seconds_since_signal"] = round(time.monotonic() - self.received_at, 3)
+        self.guard.events.add(NanEvent(self.stopping_at, "preempt", [], ranks, detail))
+        if self.guard.trainer.is_world_process_zero():
+            logger.warning(
+                f"Preempted ({name}): checkpoint-{self.stopping_at} is published; exiting with status "
+                f"{PREEMPTED_EXIT_CODE} (preempted, resumable). A restart by the elastic agent, or "
+                "`train(resume_from_checkpoint=True)`, continues at step "
+                f"{self.stopping_at + 1} with the same batches."
+            )
+        raise Preempted(self.stopping_at, name)
+
+
+def refuse_jit_checkpoint(args: Any, nan_guard: bool) -> None:
+    """Refuse transformers' `enable_jit_checkpoint` under the guard, before its SIGTERM handler is installed."""
+    if nan_guard and getattr(args, "enable_jit_checkpoint", False):
+        raise ValueError(
+            "`enable_jit_checkpoint=True` saves a checkpoint mid-step on each rank after its own timer; under the NaN "
+            "guard a save is verified and collective, so ranks that save at different points wait on each other "
+            "forever, and a signal to one rank saves on that rank only. safe_trainers handles preemption itself: "
+            "with `preempt_signals` (default `[\"SIGTERM\", \"SIGUSR1\"]`) every rank finishes its step, a verified "
+            "checkpoint is published and the process exits with status 75. Remove `enable_jit_checkpoint=True`, or "
+            "set `nan_guard=False` to use transformers' JIT checkpointing instead."
+        )
+
+
+__all__ = [
+    "PREEMPTED_EXIT_CODE", "AgreedBits", "Preempted", "PreemptionCallback", "parse_signals", "refuse_jit_checkpoint",
+    "stop_step",
+]  # fmt: skip

@@ -1,0 +1,194 @@
+"""Hangs: a step that takes far longer than the run's steps ends the process, with its stacks, so it is restarted.
+
+A weight sync that never returns, a generation that all-gathers ZeRO-3 weights at every token, a rank stuck in a
+collective: without a watchdog the run waits out the collective timeout (`ddp_timeout`, 30 minutes by default) and
+dies without saying where each rank was. Here each rank runs a [`HangWatchdog`] thread that the training loop feeds
+with host-side heartbeats from its callbacks (`time.monotonic()` when a step begins and when the guard has inspected
+it; no device synchronisation). The watchdog is armed only inside a step (from `on_step_begin` to the end of the
+guard's inspection of the step, its collectives included; a snapshot's copy and a rollback's restore are not timed);
+evaluation, saving and logging between steps may take as long as they take. GRPO/RLOO generation happens inside a
+step and is timed with it.
+
+The bound is a pure function of the steps timed so far ([`hang_bound`]): before `LEARN_AFTER` steps were timed (the
+first step of each process, with its compilation and warm-up, is not), the ceiling `hang_timeout`; then
+`hang_timeout_factor` times the slowest step, at least `HANG_FLOOR` seconds, never above the ceiling. With the
+defaults a run of one-second steps is taken for hung after 120 s.
+
+A step past the bound makes the rank write the Python stacks of all its threads to
+`output_dir/hang-stacks-rank<r>.txt` (appended, one block per hang) and end with `os._exit(HUNG_EXIT_CODE)`. The other
+ranks, blocked in a collective that waits for it, pass the bound too and do the same; torchrun's agent then restarts
+the workers, which resume from the newest healthy checkpoint. The step record still names the step, so a hang counts
+like a crash for `skip_step_after_crashes`: a step that hangs twice in a row is skipped on the next attempt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from transformers import TrainerCallback
+
+logger = logging.getLogger("safe_trainers")
+
+HUNG_EXIT_CODE = 124  # as `timeout(1)`: the command ran past its time limit
+HANG_FLOOR = 120.0  # seconds: the learned bound is never below this
+LEARN_AFTER = 2  # steps timed (after each process's first) before the bound is learned
+POLL = 0.5  # seconds between the watchdog thread's looks at the clock
+
+
+def hang_bound(slowest: float | None, timed: int, ceiling: float, factor: float, floor: float = HANG_FLOOR) -> float:
+    """The seconds a step may take before it counts as hung.
+
+    Args:
+        slowest: the slowest step timed so far (`None`: none yet).
+        timed: how many steps were timed.
+        ceiling: `hang_timeout`, the bound until the steps were learned and the most it ever is.
+        factor: `hang_timeout_factor`.
+        floor: the least the learned bound is.
+    """
+    if slowest is None or timed < LEARN_AFTER:
+        return ceiling
+    return min(ceiling, max(floor, factor * slowest))
+
+
+def stacks_path(output_dir: str, rank: int) -> str:
+    return os.path.join(output_dir, f"hang-stacks-rank{rank}.txt")
+
+
+class HangWatchdog(TrainerCallback):
+    """Times each step on the host and ends the process when one passes the bound (see the module docstring).
+
+    Args:
+        output_dir (`str`): where the stacks are written.
+        rank (`int`): this process's global rank.
+        ceiling (`float`): `hang_timeout` in seconds.
+        factor (`float`): `hang_timeout_factor`.
+        attempt (`int`): the elastic agent's restart count, written with the stacks.
+        clock (`Callable[[], float]`): the monotonic clock (`time.monotonic`).
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        rank: int,
+        ceiling: float,
+        factor: float,
+        attempt: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.output_dir, self.rank, self.attempt, self.clock = output_dir, rank, attempt, clock
+        self.ceiling, self.factor = ceiling, factor
+        self.slowest: float | None = None
+        self.timed = 0
+        self._step = 0
+        self._began: float | None = None  # set while a step runs (read by the thread: one attribute, atomic)
+        self._first = True
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ heartbeats (the training loop)
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.start()
+
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        self._step = state.global_step + 1
+        self._began = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        began, self._began = self._began, None
+        if began is None:
+            return
+        took = self.clock() - began
+        if self._first:  # compilation, allocator and communicator warm-up: not a step to learn from
+            self._first = False
+            return
+        self.slowest = took if self.slowest is None else max(self.slowest, took)
+        self.timed += 1
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.stop()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not timed: the step's clock stops while the block runs (a snapshot's copy of the whole state)."""
+        began, self._began = self._began, None
+        start = self.clock()
+        try:
+            yield
+        finally:
+            if began is not None:  # the clock goes on from where it stopped
+                self._began = began + (self.clock() - start)
+
+    def bound(self) -> float:
+        return hang_bound(self.slowest, self.timed, self.ceiling, self.factor)
+
+    # ------------------------------------------------------------------ the thread
+    def start(self) -> None:
+        self.stop()
+        self._stop = threading.Event()
+        self._first, self._began = True, None
+        self._thread = threading.Thread(target=self._watch, name="safe_trainers-hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._began = None
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = None
+
+    def _watch(self) -> None:
+        stop = self._stop
+        while not stop.wait(POLL):
+            began = self._began
+            if began is None:
+                continue
+            elapsed, bound = self.clock() - began, self.bound()
+            if elapsed > bound:
+                self._hung(elapsed, bound)
+
+    def _hung(self, elapsed: float, bound: float) -> None:
+        """Write every thread's stack, say so, and end the process at once (a hung thread cannot be unwound)."""
+        path = stacks_path(self.output_dir, self.rank)
+        slowest = self.slowest
+        learned = f"{self.timed} steps timed, slowest {slowest:.3f} s" if slowest is not None else "not learned"
+        head = (
+            f"=== rank {self.rank}, attempt {self.attempt}: step {self._step} has run {elapsed:.1f} s, past the hang "
+            f"bound of {bound:.1f} s ({learned}; hang_timeout={self.ceiling:g}, "
+            f"hang_timeout_factor={self.factor:g}). Stacks of every thread: ===\n"
+        )
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(head)
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+                f.write("\n")
+        finally:
+            logger.error(
+                f"Rank {self.rank}: step {self._step} has run {elapsed:.0f} s, past the hang bound of {bound:.0f} s; "
+                f"the stacks of every thread are in {path}. Exiting with status {HUNG_EXIT_CODE} so the elastic agent "
+                "restarts the workers from the newest checkpoint. Raise `hang_timeout` (or set it to 0) if steps "
+                "this long are expected."
+            )
+            logging.shutdown()
+            os._exit(HUNG_EXIT_CODE)
+
+
+class _Unwatched:
+    """No watchdog (`hang_timeout=0`, or before one is attached): nothing is timed."""
+
+    @staticmethod
+    def paused() -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+UNWATCHED = _Unwatched()
+
+__all__ = ["HANG_FLOOR", "HUNG_EXIT_CODE", "UNWATCHED", "HangWatchdog", "hang_bound", "stacks_path"]
