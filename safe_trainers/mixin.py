@@ -12,6 +12,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 from .arguments import SafetyArguments
 from .configs import config_class
 from .guard import NanGuard, NanGuardCallback
+from .guard.hooks_ran import HookCheckCallback, HooksRan
 from .guard.step_progress import StepProgressCallback
 from .guard.trainer_hooks import NanGuardTrainerMixin
 from .kinds import get_kind
@@ -94,6 +95,9 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             # rolls back, so a death there is never blamed on the step's data.
             self.step_progress = StepProgressCallback(self.nan_guard)
             callbacks.insert(flow + 1, self.step_progress)
+            # First of all: the upstream hooks the guard depends on ran, or the run stops (`guard/hooks_ran.py`).
+            self.hooks_ran = HooksRan()
+            callbacks.insert(flow + 1, HookCheckCallback(self))
 
     def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
         model = arguments.get("model")
