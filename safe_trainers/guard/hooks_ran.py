@@ -1,4 +1,4 @@
-"""Never silently unguarded: the upstream hooks the NaN guard depends on ran in this process, or the run stops.
+"""Never silently unguarded: the upstream hooks the NaN guard depends on ran in this `train()` call, or it stops.
 
 The guard lives in overrides of transformers' and TRL's private methods (`_get_grad_norm`, `_save_checkpoint`,
 `_generate_and_score_completions`, ...). The day an upstream release renames one, or stops calling it, the override
@@ -6,7 +6,7 @@ is dead code and the run trains unprotected while looking protected. So each of 
 [`HooksRan`] record when it runs (a dictionary write, no host sync), and [`HookCheckCallback`] verifies the record
 against the rows of `safe_trainers/upstream/table.py` that carry a `check`:
 
-* before the first optimizer step of the process is applied (`on_pre_optimizer_step`): the per-step hooks (the
+* before the first optimizer step of the `train()` call is applied (`on_pre_optimizer_step`): the per-step hooks (the
   gradient hook, the loss accumulator, GRPO/RLOO's generation hooks, resume) ran, and the Trainer attributes the
   guard reads exist; so a missing per-step hook stops the run before its first unguarded update;
 * at the end of that step: the `on_pre_optimizer_step` event itself fired (the guard's skip is handed over there);
@@ -45,10 +45,11 @@ CONDITIONS: dict[str, Callable[[Any], bool]] = {
 
 
 class HooksRan:
-    """Which of the guard's hooks ran in this process, and at which `global_step` each last ran.
+    """Which of the guard's hooks ran in this `train()` call, and at which `global_step` each last ran.
 
     Attributes:
-        steps (`dict[str, int]`): hook name -> the `global_step` of its last run (`-1` where the step does not matter).
+        steps (`dict[str, int]`): hook name -> the `global_step` of its last run in this `train()` call (`-1` where
+            the step does not matter).
         checked (`set[str]`): the checks passed in this `train()` call (see [`HookCheckCallback`]).
         refused_save (`int`): the step of the last checkpoint the guard refused to write (a non-finite state).
     """
@@ -60,6 +61,13 @@ class HooksRan:
 
     def ran(self, name: str, step: int = -1) -> None:
         self.steps[name] = step
+
+    def clear(self) -> None:
+        """Forget everything: called by `train()` before the Trainer's (which loads a checkpoint to resume from before
+        `on_train_begin`), so each `train()` call proves its own hooks."""
+        self.steps.clear()
+        self.checked.clear()
+        self.refused_save = -1
 
 
 def unran_hooks(
@@ -103,9 +111,7 @@ MISSING = {False: "was not called", True: "does not exist"}  # a hook, an attrib
 
 def hook_error_message(missing: list[Touchpoint], check: Check, versions_note: str) -> str:
     """The [`UpstreamHookError`] message: what did not happen, what it is for, the versions and the way out."""
-    parts = [
-        f"`{row.label}` {MISSING[row.kind == 'attribute']} ({row.purpose}; {row.added})" for row in missing
-    ]
+    parts = [f"`{row.label}` {MISSING[row.kind == 'attribute']} ({row.purpose}; {row.added})" for row in missing]
     return (
         f"The NaN guard cannot protect this run: the training loop did not go through the guard's hooks "
         f"{CHECK_TEXT[check]}: {'; '.join(parts)}. An upstream release changed the training loop, or a subclass "
@@ -127,7 +133,6 @@ class HookCheckCallback(TrainerCallback):
         self._stepped = False
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
-        self.trainer.hooks_ran.checked.clear()
         self._stepped = False
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs: Any):

@@ -57,6 +57,7 @@ class NanGuardTrainerMixin:
                 logger.warning(f"NaN guard: removed a half-written checkpoint left by an interrupted save: {path}")
         plan = resolve_run(self, resume_from_checkpoint)  # `True` and restarts: the newest healthy checkpoint
         if guard is not None:
+            self.hooks_ran.clear()  # each `train()` call proves its own hooks (`hooks_ran.py`)
             guard.start_run(plan.checkpoint)
             record_resume(guard, plan)
             if self.step_progress is not None:

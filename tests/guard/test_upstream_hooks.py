@@ -134,6 +134,10 @@ def test_a_resume_that_bypasses_the_guard_stops_before_its_first_update(toy_mode
     assert resumed.state.global_step == 2
     assert all(torch.equal(p, first.model.get_parameter(n)) for n, p in resumed.model.named_parameters())
     assert not unchanged(resumed, before)  # the checkpoint's weights were loaded; no update after them
+    healthy = build("sft", toy_models, tmp_path)  # the safe trainer resumes through the hook, and passes
+    healthy.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert healthy.state.global_step == 3 and "_load_optimizer_and_scheduler" in healthy.hooks_ran.steps
+    assert healthy.hooks_ran.checked == ALL_CHECKS - {"save"}
 
 
 def stopped_resuming(trainer, checkpoint: str) -> UpstreamHookError:
