@@ -13,7 +13,7 @@ from typing import Literal
 
 Kind = Literal["method", "function", "variable", "attribute"]
 # When the NaN guard verifies, while training, that the hook ran (see `safe_trainers/guard/hooks_ran.py`):
-#   "pre_optimizer_step": before the first optimizer step of the process is applied;
+#   "pre_optimizer_step": before the first optimizer step of a `train()` call is applied;
 #   "step_end": at the end of that first step;
 #   "next_step": once the first step and what follows it (log, evaluation, save) are over;
 #   "save": at every checkpoint save.
