@@ -73,3 +73,17 @@ class NonFiniteWeightsError(RuntimeError):
             "(`checkpoint-*` in `output_dir`; every one is verified finite), or resume from it with "
             "`trainer.train(resume_from_checkpoint=...)`, then save again."
         )
+
+
+class UpstreamHookError(RuntimeError):
+    """A hook of transformers' or TRL's training loop that the NaN guard depends on did not run in this process, so
+    the run is not protected: raised (on every rank alike) as soon as the hook should have run.
+
+    Attributes:
+        hooks (`tuple[str, ...]`):
+            The hooks that did not run, as `owner.name` (e.g. `transformers.Trainer._get_grad_norm`).
+    """
+
+    def __init__(self, message: str, hooks: "tuple[str, ...] | list[str]"):
+        self.hooks = tuple(hooks)
+        super().__init__(message)

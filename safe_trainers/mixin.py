@@ -14,6 +14,7 @@ from .configs import config_class
 from .guard import NanGuard, NanGuardCallback
 from .guard.preemption import refuse_jit_checkpoint
 from .guard.run_control import attach_run_control
+from .guard.hooks_ran import HookCheckCallback, HooksRan
 from .guard.step_progress import StepProgressCallback
 from .guard.trainer_hooks import NanGuardTrainerMixin
 from .kinds import get_kind
@@ -98,6 +99,9 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             self.step_progress = StepProgressCallback(self.nan_guard)
             callbacks.insert(flow + 1, self.step_progress)
             attach_run_control(self, settings)  # preemption and hang detection (see `guard/run_control.py`)
+            # First of all: the upstream hooks the guard depends on ran, or the run stops (`guard/hooks_ran.py`).
+            self.hooks_ran = HooksRan()
+            callbacks.insert(flow + 1, HookCheckCallback(self))
 
     def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
         model = arguments.get("model")

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import trl
 
-from .guard.generation import OnlineGenerationMixin
-from .kinds import get_kind
-from .mixin import SafeTrainerMixin
+from .upstream.names import require_upstream_names
+
+
+# Before the modules below import transformers' and TRL's internals by name: outside the supported versions, one
+# `ImportError` that names every missing name, the installed versions and the supported ranges.
+require_upstream_names()
+
+from .guard.generation import OnlineGenerationMixin  # noqa: E402
+from .kinds import get_kind  # noqa: E402
+from .mixin import SafeTrainerMixin  # noqa: E402
 
 
 class SFTTrainer(SafeTrainerMixin, trl.SFTTrainer):

@@ -19,6 +19,8 @@ class OnlineGenerationMixin:
     """Mixed in before TRL's `GRPOTrainer`/`RLOOTrainer` (after [`SafeTrainerMixin`])."""
 
     def _generate_and_score_completions(self, inputs):
+        if self.nan_guard is not None:
+            self.hooks_ran.ran("_generate_and_score_completions")  # see `hooks_ran.py`
         if self.nan_guard is not None and self.model.training:
             self.nan_guard.before_generation()
         return super()._generate_and_score_completions(inputs)
@@ -27,6 +29,8 @@ class OnlineGenerationMixin:
         # TRL turns a `None` reward into NaN and zeroes the advantage of a completion no reward function scored; an
         # Inf reward would reach the loss (and is then skipped by the guard). Either way, record it.
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.nan_guard is not None:
+            self.hooks_ran.ran("_calculate_rewards")
         if self.nan_guard is not None and self.model.training:
             nonfinite = ~torch.isfinite(rewards)
             count = int(nonfinite.sum())  # TRL already reads its reward metrics back every generation

@@ -158,4 +158,8 @@ def diagnose(trainer: Any, batches: list[Any], step: int | None) -> dict[str, An
     return result
 
 
-_REPLAY_SENSITIVE = ("_metrics", "_total_train_tokens", "_textual_logs")
+# What TRL's `compute_loss` changes besides the loss, put back after a replay (docs/design/upstream.md): the logged
+# metrics and token count of every trainer, and GRPO's adaptive entropy controller (TRL 1.8+: it steps on each loss
+# computed at an optimizer-step boundary, so a replay would move the coefficient of the next steps). The completion
+# table (`_logs`, once `_textual_logs`) is written by generation only, which a replay does not run.
+_REPLAY_SENSITIVE = ("_metrics", "_total_train_tokens", "entropy_coef", "_last_world_entropy", "_entropy_window_stats")

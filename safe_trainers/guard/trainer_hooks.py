@@ -30,6 +30,7 @@ from transformers.trainer_utils import TrainOutput
 from ..errors import NonFiniteWeightsError
 from .checkpoint import STAGING_DIR, all_finite, checkpoint_step, clean_staging, publish, staging_run_dir
 from .guard import NanGuard
+from .hooks_ran import HooksRan, verify_hooks
 from .recovery import refuse_save
 from .restart import record_resume, resolve_run
 from .rotation import rotate_up_to
@@ -47,6 +48,7 @@ class NanGuardTrainerMixin:
     step_progress: StepProgressCallback | None = None
     preemption: Any = None  # `PreemptionCallback` and `HangWatchdog`, see `run_control.py`
     hang_watchdog: Any = None
+    hooks_ran: HooksRan | None = None  # marked by the hooks below when they run (`hooks_ran.py`)
     _staging_checkpoint = False
     _starting_checkpoint = False
     _last_finite_total_loss = 0.0
@@ -61,6 +63,7 @@ class NanGuardTrainerMixin:
                 logger.warning(f"NaN guard: removed a half-written checkpoint left by an interrupted save: {path}")
         plan = resolve_run(self, resume_from_checkpoint)  # `True` and restarts: the newest healthy checkpoint
         if guard is not None:
+            self.hooks_ran.clear()  # each `train()` call proves its own hooks (`hooks_ran.py`)
             guard.start_run(plan.checkpoint)
             record_resume(guard, plan)
             if self.step_progress is not None:
@@ -105,6 +108,8 @@ class NanGuardTrainerMixin:
         )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.nan_guard is not None:
+            self.hooks_ran.ran("training_step")
         if self.step_progress is not None and self.step_progress.dropping:  # a poisoned step: not trained
             return self.step_progress.dropped_loss(self.args.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -115,6 +120,7 @@ class NanGuardTrainerMixin:
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         if self.nan_guard is not None:
+            self.hooks_ran.ran("_get_grad_norm")
             dropped = self.step_progress is not None and self.step_progress.dropping
             self.nan_guard.end_of_step(grad_norm, dropped=dropped)
         return grad_norm
@@ -122,11 +128,13 @@ class NanGuardTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if self.nan_guard is not None and checkpoint is not None:
+            self.hooks_ran.ran("_load_optimizer_and_scheduler")
             self.nan_guard.resumed_learning_rate(self.optimizer, self.lr_scheduler)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         guard = self.nan_guard
         if guard is not None:
+            self.hooks_ran.ran("_maybe_log_save_evaluate")
             guard.before_publishing(self.control)
             if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
                 # The Trainer logs its loss window now, on every rank (as the ledger's collective needs); a
@@ -161,7 +169,10 @@ class NanGuardTrainerMixin:
     # ------------------------------------------------------------------ checkpoints
     def _get_output_dir(self, trial) -> str:
         run_dir = super()._get_output_dir(trial)
-        return staging_run_dir(run_dir) if self._staging_checkpoint else run_dir
+        if not self._staging_checkpoint:
+            return run_dir
+        self.hooks_ran.ran("_get_output_dir", self.state.global_step)  # the Trainer's save asked where to write
+        return staging_run_dir(run_dir)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         if not self._staging_checkpoint:  # uploaded once published (see `_save_checkpoint`)
@@ -173,8 +184,10 @@ class NanGuardTrainerMixin:
         if guard is None:
             return super()._save_checkpoint(model, trial)
         step = self.state.global_step
+        self.hooks_ran.ran("_save_checkpoint", step)
         if not guard.state_verified():
             refuse_save(guard.events, step)  # not reached from the training loop, which restores a damaged state first
+            self.hooks_ran.refused_save = step
             return
         run_dir = self._get_output_dir(trial)
         name = f"checkpoint-{step}"
@@ -184,6 +197,7 @@ class NanGuardTrainerMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_checkpoint = False
+        verify_hooks(self, "save")  # the Trainer wrote to the staging directory, or the run stops here
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:

@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers/
 
 import safe_trainers as st  # noqa: E402
 from guard_utils import recording  # noqa: E402
+from hook_utils import bypassing  # noqa: E402
+from safe_trainers.errors import UpstreamHookError  # noqa: E402
 from safe_trainers.guard.sharding import replicated  # noqa: E402
 from safe_trainers.testing.build import build_trainer  # noqa: E402
 from safe_trainers.testing.faults import Fault  # noqa: E402
@@ -52,6 +54,7 @@ def parse(argv=None):
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--gpu", action="store_true", help="train on the GPU in bf16 (the preset pins the CPU)")
     parser.add_argument("--save_final", action="store_true", help="`save_model(out/final)` after training")
+    parser.add_argument("--bypass", action="append", default=[], help="a hook of the guard to take out (hook_utils)")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
 
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
         os.path.join(ns.out, "run"),
         preset="guarded",
         faults=faults,
-        trainer_cls=recording(trainer_class(ns.kind)),
+        trainer_cls=bypassing(recording(trainer_class(ns.kind)), *ns.bypass),
         max_steps=ns.max_steps,
         save_steps=ns.save_steps,
         gradient_accumulation_steps=ns.ga,
@@ -122,6 +125,8 @@ def main(argv=None) -> int:
         trainer.train(resume_from_checkpoint=ns.resume)
     except st.TrainingDivergedError as error:
         outcome = f"diverged: {error.checkpoint_dir}"
+    except UpstreamHookError as error:  # raised on every rank alike
+        outcome = f"stopped: {', '.join(error.hooks)}"
     if ns.save_final:
         trainer.save_model(os.path.join(ns.out, "final"))  # FULL_STATE_DICT: gathered and written by rank 0
     params = [replicated(p) for p in trainer.model.parameters()]  # FSDP2: the whole parameter on every rank
