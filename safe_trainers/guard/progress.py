@@ -184,6 +184,8 @@ class ProgressWriter:
         os.ftruncate(self._fd, 0)
         self._data = data
         self._size = 0
+        self._history = history
+        self._head = self._tail = ""  # the record's fixed parts, rendered by the `history` setter
         self.history = history
 
     @property

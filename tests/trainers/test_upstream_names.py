@@ -29,19 +29,19 @@ def test_the_installed_versions_have_every_name():
 
 
 def test_a_missing_name_is_an_import_error_naming_the_versions():
-    # transformers 5.1 as the import check sees it: no `_get_grad_norm` on `Trainer`, no `rotate_checkpoints`.
+    # An old `Trainer` as the import check sees it: neither `_get_grad_norm` (5.3) nor `get_batch_samples` (4.47).
     old_trainer = type("Trainer", (), {"_save_checkpoint": lambda self: None})
-    fakes = {"transformers:Trainer": old_trainer, "transformers.trainer_utils": types.ModuleType("trainer_utils")}
-    rows = [r for r in TOUCHPOINTS if r.name in ("_get_grad_norm", "_save_checkpoint", "rotate_checkpoints")]
+    fakes = {"transformers:Trainer": old_trainer}
+    rows = [r for r in TOUCHPOINTS if r.name in ("_get_grad_norm", "_save_checkpoint", "get_batch_samples")]
     missing = missing_names(rows, lambda owner: fakes.get(owner, resolve_owner(owner)))
     assert [row.label for row in missing] == [
         "transformers.Trainer._get_grad_norm",
-        "transformers.trainer_utils.rotate_checkpoints",
+        "transformers.Trainer.get_batch_samples",
     ]
     note = versions_note({"transformers": "5.1.0", "trl": "1.16.0"}, {"transformers": ">=5.3,<6", "trl": ">=1.16"})
     message = import_error_message(missing, note)
     assert "`transformers.Trainer._get_grad_norm` (added in transformers 5.3.0)" in message
-    assert "`transformers.trainer_utils.rotate_checkpoints` (added in transformers 5.2.0) are missing" in message
+    assert "`transformers.Trainer.get_batch_samples` (added in transformers between 4.46 and 4.47) are missing" in message
     assert "Installed: transformers 5.1.0, trl 1.16.0; supported by safe-trainers: transformers>=5.3,<6" in message
     # The edge: a name the installed transformers lacks, with the versions read from the package metadata.
     absent = Touchpoint("transformers:Trainer", "_no_such_hook", "method", "overrides", "9.0.0", "-", "-", ())
@@ -79,7 +79,7 @@ def test_every_touchpoint_cites_tests_that_exist_and_the_modules_that_touch_it(r
 
 
 # Private names a module may use without a row: the standard library's.
-STANDARD = {"_replace", "_asdict", "_fields"}
+STANDARD = {"_replace", "_asdict", "_fields", "_exit"}  # namedtuples, `os._exit`
 
 
 def private_names(text: str) -> tuple[set[str], set[str], set[str]]:
@@ -90,7 +90,7 @@ def private_names(text: str) -> tuple[set[str], set[str], set[str]]:
     declared = set(re.findall(r"^\s*def (_\w+)", text, re.M))
     declared |= set(re.findall(r"^(?:    )?(_\w+)\s*[:=]", text, re.M))  # module and class level
     declared |= set(re.findall(r"self\.(_[a-z]\w*)\s*:[^=\n]+=", text))  # annotated: `self._x: T = ...`
-    for init in re.findall(r"def __init__\(self.*?(?=\n    def |\nclass |\Z)", text, re.S):
+    for init in re.findall(r"def __init__\(\s*self.*?(?=\n    def |\nclass |\Z)", text, re.S):
         declared |= set(re.findall(r"self\.(_[a-z]\w*)\s*=", init))
     declared |= set(re.findall(r"import .*?\b(_[a-z]\w*)", text))
     return used, declared, set(re.findall(r"super\(\)\.(_[a-z]\w*)", text))
