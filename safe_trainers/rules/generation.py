@@ -11,10 +11,11 @@ from .grpo import ONLINE_RL
 from .report import Finding
 
 
-def zero3_stage(deepspeed_config: dict | None) -> bool:
-    """Whether a DeepSpeed config shards the parameters (ZeRO stage 3)."""
+def zero3_stage(deepspeed_config: dict | None, plugin=None) -> bool:
+    """Whether the run shards its parameters with DeepSpeed ZeRO stage 3: by its `deepspeed` config, or by the
+    DeepSpeed plugin `accelerate launch --use_deepspeed` gives the config (`args.deepspeed_plugin`)."""
     stage = ((deepspeed_config or {}).get("zero_optimization") or {}).get("stage")
-    return str(stage) == "3"
+    return str(stage) == "3" or str(getattr(plugin, "zero_stage", None)) == "3"
 
 
 def sharded_generation(args) -> bool:
@@ -28,8 +29,8 @@ class Ds3Gather(Rule):
 
     What it changes:
         nothing; GRPO/RLOO under DeepSpeed ZeRO-3 (a `deepspeed` config with `"stage": 3`, or `accelerate launch`'s
-        DeepSpeed plugin, seen once the trainer is built) with `ds3_gather_for_generation=False` and transformers
-        generation (no `use_vllm`) is warned, with what it costs and the faster settings.
+        DeepSpeed plugin at stage 3) with `ds3_gather_for_generation=False` and transformers generation (no
+        `use_vllm`) is warned, with what it costs and the faster settings.
 
     Why:
         generation then runs on the sharded policy: each decoded token's forward pass all-gathers every layer's weights
@@ -47,15 +48,11 @@ class Ds3Gather(Rule):
     rationale = "https://github.com/huggingface/trl/issues/3858"
 
     def check(self, setup) -> Finding | None:
-        if not (zero3_stage(setup.deepspeed_config) and sharded_generation(setup.args)):
+        args = setup.args
+        zero3 = zero3_stage(setup.deepspeed_config, getattr(args, "deepspeed_plugin", None))
+        if not (zero3 and sharded_generation(args)):
             return None
-        return self.warned(self.message(setup.args))
-
-    def check_built(self, built) -> Finding | None:
-        # `accelerate launch --use_deepspeed` configures ZeRO outside `args.deepspeed`: only the built trainer knows.
-        if getattr(built.args, "deepspeed", None) or built.snapshot_strategy != "zero3":
-            return None
-        return self.warned(self.message(built.args)) if sharded_generation(built.args) else None
+        return self.warned(self.message(args))
 
     @staticmethod
     def message(args) -> str:

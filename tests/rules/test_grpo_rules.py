@@ -5,12 +5,12 @@ tokenizer), `grpo.vllm_is_truncation` (vLLM importance sampling with truncated s
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
+from accelerate.utils import DeepSpeedPlugin
 
 from safe_trainers import GRPOConfig, SafetyError
-from safe_trainers.rules import BuiltTrainer, get_rule
+from safe_trainers.rules import get_rule
 from safe_trainers.rules.grpo import group_size_problems, padded_vocab_ids, truncated_sampling
 from safe_trainers.testing.toy import build_tokenizer, model_config
 
@@ -213,9 +213,10 @@ def test_generation_on_whole_weights_silent(args_kw, deepspeed_config):
     assert DS3.check(make_setup("grpo", "qwen2", args=args, deepspeed_config=deepspeed_config)) is None
 
 
-def test_generation_on_sharded_weights_under_accelerates_deepspeed_plugin_warned():
-    # `accelerate launch --use_deepspeed --zero_stage 3`: no `args.deepspeed`; the built trainer's engine says ZeRO-3.
-    built = BuiltTrainer("grpo", make_args("grpo", ds3_gather_for_generation=False), None, snapshot_strategy="zero3")
-    assert DS3.check_built(built).action == "warned"
-    assert DS3.check_built(replace(built, snapshot_strategy="zero2")) is None
-    assert DS3.check_built(replace(built, args=make_args("grpo"))) is None
+@pytest.mark.parametrize("stage, gather, warned", [(3, False, True), (2, False, False), (3, True, False)])
+def test_generation_under_accelerates_deepspeed_plugin(stage, gather, warned):
+    # `accelerate launch --use_deepspeed --zero_stage N`: no `args.deepspeed`; the config carries accelerate's plugin.
+    args = make_args("grpo", ds3_gather_for_generation=gather)
+    args.deepspeed_plugin = DeepSpeedPlugin(zero_stage=stage)
+    finding = DS3.check(make_setup("grpo", "qwen2", args=args))
+    assert (finding is not None and finding.action == "warned") == warned
