@@ -75,6 +75,31 @@ def test_the_watchdog_learns_from_steps_after_the_first_and_not_from_paused_time
     assert dog.bound() == HANG_FLOOR
 
 
+def test_grpo_learns_its_hang_bound_from_a_step_that_generates(toy_models, tmp_path):
+    # With `num_iterations=4` GRPO generates at steps 1, 5, 9...: steps 2-4 only train on the buffered rollouts and
+    # are far faster. A bound learned from them alone (120 s) killed step 5's legitimate 130 s generation (or reward
+    # call) with status 124, though `hang_timeout` was 900. The bound is learned once a generating step was timed.
+    trainer = build_trainer("grpo", toy_models["qwen2"], tmp_path, preset="guarded", num_iterations=4, bf16=False)
+    dog = trainer.hang_watchdog
+    clock = iter([0.0, 60.0, 100.0, 101.0, 200.0, 201.0, 300.0, 301.0, 400.0, 530.0])
+    dog.clock = lambda: next(clock)
+
+    class State:
+        global_step = 0
+
+    for step in range(4):  # step 1 generates (the warm-up step), steps 2-4 reuse its rollouts: 1 s each
+        State.global_step = step
+        dog.on_step_begin(None, State, None)
+        dog.on_step_end(None, State, None)
+    assert dog.bound() == 900  # step 5 generates again: not yet taken for hung after 120 s
+    State.global_step = 4
+    dog.on_step_begin(None, State, None)
+    dog.on_step_end(None, State, None)  # 130 s, timed
+    assert dog.bound() == 900  # learned from a generating step: 10 x 130 s, capped
+    plain = build_trainer("grpo", toy_models["qwen2"], tmp_path / "plain", preset="guarded", bf16=False)
+    assert plain.hang_watchdog.learn_after == 2  # generating at every step: the usual two steps
+
+
 def test_jit_checkpoint_is_refused_under_the_guard_with_what_to_use_instead(toy_models, tmp_path):
     # transformers' JIT checkpoint saves mid-step on each rank after its own timer: the guard's verified, collective
     # save cannot run like that. It is refused before transformers installs its SIGTERM handler.
