@@ -5,9 +5,9 @@ collective: without a watchdog the run waits out the collective timeout (`ddp_ti
 dies without saying where each rank was. Here each rank runs a [`HangWatchdog`] thread that the training loop feeds
 with host-side heartbeats from its callbacks (`time.monotonic()` when a step begins and when the guard has inspected
 it; no device synchronisation). The watchdog is armed only inside a step (from `on_step_begin` to the end of the
-guard's inspection of the step, its collectives included; a snapshot's copy and a rollback's restore are not timed);
-evaluation, saving and logging between steps may take as long as they take. GRPO/RLOO generation happens inside a
-step and is timed with it.
+guard's inspection of the step, its collectives included; a snapshot's copy, a rollback's restore and an abort's
+checkpoint are not timed); evaluation, saving and logging between steps may take as long as they take. GRPO/RLOO
+generation happens inside a step and is timed with it.
 
 The bound is a pure function of the steps timed so far ([`hang_bound`]): before `LEARN_AFTER` steps were timed (the
 first step of each process, with its compilation and warm-up, is not; GRPO/RLOO, which generate only every few steps,
