@@ -263,7 +263,8 @@ class NanGuard:
     def abort(self, verdict: Verdict) -> None:
         """Restore the last good state, save it as a checkpoint, record an `abort` event and raise."""
         restored = self._restore_last_good()  # verified and counted before the checkpoint saves it
-        abort(self.trainer, self.events, verdict, restored, self.state, self.rollbacks_this_run, self.settings)
+        with self.watchdog.paused():  # the checkpoint's save is not timed with the step (a hang would restart it)
+            abort(self.trainer, self.events, verdict, restored, self.state, self.rollbacks_this_run, self.settings)
 
     def _restore_last_good(self) -> Restored:
         self._refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time

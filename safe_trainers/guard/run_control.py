@@ -20,7 +20,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 from .callback import NanGuardCallback
 from .preemption import Preempted, PreemptionCallback, parse_signals
 from .restart import restart_count
-from .watchdog import HangWatchdog
+from .watchdog import HangWatchdog, generation_period
 
 
 def attach_run_control(trainer: Any, settings: Any) -> None:
@@ -37,7 +37,7 @@ def attach_run_control(trainer: Any, settings: Any) -> None:
         args = trainer.args
         watchdog = HangWatchdog(
             args.output_dir, args.process_index, settings.hang_timeout, settings.hang_timeout_factor,
-            attempt=restart_count(os.environ),
+            attempt=restart_count(os.environ), learn_after=generation_period(args),
         )  # fmt: skip
         trainer.hang_watchdog = guard.watchdog = watchdog
         at = next(i for i, cb in enumerate(callbacks) if isinstance(cb, NanGuardCallback))

@@ -5,12 +5,13 @@ collective: without a watchdog the run waits out the collective timeout (`ddp_ti
 dies without saying where each rank was. Here each rank runs a [`HangWatchdog`] thread that the training loop feeds
 with host-side heartbeats from its callbacks (`time.monotonic()` when a step begins and when the guard has inspected
 it; no device synchronisation). The watchdog is armed only inside a step (from `on_step_begin` to the end of the
-guard's inspection of the step, its collectives included; a snapshot's copy and a rollback's restore are not timed);
-evaluation, saving and logging between steps may take as long as they take. GRPO/RLOO generation happens inside a
-step and is timed with it.
+guard's inspection of the step, its collectives included; a snapshot's copy, a rollback's restore and an abort's
+checkpoint are not timed); evaluation, saving and logging between steps may take as long as they take. GRPO/RLOO
+generation happens inside a step and is timed with it.
 
 The bound is a pure function of the steps timed so far ([`hang_bound`]): before `LEARN_AFTER` steps were timed (the
-first step of each process, with its compilation and warm-up, is not), the ceiling `hang_timeout`; then
+first step of each process, with its compilation and warm-up, is not; GRPO/RLOO, which generate only every few steps,
+time a whole generation cycle, [`generation_period`]), the ceiling `hang_timeout`; then
 `hang_timeout_factor` times the slowest step, at least `HANG_FLOOR` seconds, never above the ceiling. With the
 defaults a run of one-second steps is taken for hung after 120 s.
 
@@ -42,7 +43,14 @@ LEARN_AFTER = 2  # steps timed (after each process's first) before the bound is 
 POLL = 0.5  # seconds between the watchdog thread's looks at the clock
 
 
-def hang_bound(slowest: float | None, timed: int, ceiling: float, factor: float, floor: float = HANG_FLOOR) -> float:
+def hang_bound(
+    slowest: float | None,
+    timed: int,
+    ceiling: float,
+    factor: float,
+    floor: float = HANG_FLOOR,
+    learn_after: int = LEARN_AFTER,
+) -> float:
     """The seconds a step may take before it counts as hung.
 
     Args:
@@ -51,10 +59,21 @@ def hang_bound(slowest: float | None, timed: int, ceiling: float, factor: float,
         ceiling: `hang_timeout`, the bound until the steps were learned and the most it ever is.
         factor: `hang_timeout_factor`.
         floor: the least the learned bound is.
+        learn_after: the steps to time before the bound is learned (at least one whole generation cycle of
+            GRPO/RLOO, see `generation_period`).
     """
-    if slowest is None or timed < LEARN_AFTER:
+    if slowest is None or timed < learn_after:
         return ceiling
     return min(ceiling, max(floor, factor * slowest))
+
+
+def generation_period(args: Any) -> int:
+    """Every how many optimizer steps GRPO/RLOO generate (1 for the other trainers): they generate once every
+    `steps_per_generation * num_iterations` micro-batches and train on the buffered rollouts in between, so the
+    steps of a cycle differ in time by the whole generation, and the bound must be learned from a generating step."""
+    micro = (getattr(args, "steps_per_generation", None) or 0) * (getattr(args, "num_iterations", None) or 1)
+    accumulation = max(1, getattr(args, "gradient_accumulation_steps", 1) or 1)
+    return max(1, -(-micro // accumulation))
 
 
 def stacks_path(output_dir: str, rank: int) -> str:
@@ -70,6 +89,7 @@ class HangWatchdog(TrainerCallback):
         ceiling (`float`): `hang_timeout` in seconds.
         factor (`float`): `hang_timeout_factor`.
         attempt (`int`): the elastic agent's restart count, written with the stacks.
+        learn_after (`int`): the steps timed before the bound is learned (`LEARN_AFTER`, or a generation cycle).
         clock (`Callable[[], float]`): the monotonic clock (`time.monotonic`).
     """
 
@@ -81,9 +101,10 @@ class HangWatchdog(TrainerCallback):
         factor: float,
         attempt: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        learn_after: int = LEARN_AFTER,
     ):
         self.output_dir, self.rank, self.attempt, self.clock = output_dir, rank, attempt, clock
-        self.ceiling, self.factor = ceiling, factor
+        self.ceiling, self.factor, self.learn_after = ceiling, factor, max(LEARN_AFTER, learn_after)
         self.slowest: float | None = None
         self.timed = 0
         self._step = 0
@@ -126,7 +147,7 @@ class HangWatchdog(TrainerCallback):
                 self._began = began + (self.clock() - start)
 
     def bound(self) -> float:
-        return hang_bound(self.slowest, self.timed, self.ceiling, self.factor)
+        return hang_bound(self.slowest, self.timed, self.ceiling, self.factor, learn_after=self.learn_after)
 
     # ------------------------------------------------------------------ the thread
     def start(self) -> None:
@@ -191,4 +212,6 @@ class _Unwatched:
 
 UNWATCHED = _Unwatched()
 
-__all__ = ["HANG_FLOOR", "HUNG_EXIT_CODE", "UNWATCHED", "HangWatchdog", "hang_bound", "stacks_path"]
+__all__ = [
+    "HANG_FLOOR", "HUNG_EXIT_CODE", "UNWATCHED", "HangWatchdog", "generation_period", "hang_bound", "stacks_path",
+]  # fmt: skip

@@ -19,10 +19,12 @@ from test_guard_restart import REPO, WORKER, assert_uninterrupted_batches, launc
 from transformers import TrainerCallback
 
 from safe_trainers.configs import config_class
+from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard import read_events
 from safe_trainers.guard.preemption import PREEMPTED_EXIT_CODE, Preempted, parse_signals, stop_step
 from safe_trainers.guard.watchdog import HANG_FLOOR, HangWatchdog, hang_bound
 from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import Fault
 from safe_trainers.testing.toy import save_toy_model
 from safe_trainers.trainers import trainer_class
 
@@ -73,6 +75,52 @@ def test_the_watchdog_learns_from_steps_after_the_first_and_not_from_paused_time
     dog.on_step_end(None, State, None)  # 213.0
     assert (dog.timed, dog.slowest) == (2, 2.0)  # 1 s and 213 - 200 - 11 = 2 s
     assert dog.bound() == HANG_FLOOR
+
+
+def test_grpo_learns_its_hang_bound_from_a_step_that_generates(toy_models, tmp_path):
+    # With `num_iterations=4` GRPO generates at steps 1, 5, 9...: steps 2-4 only train on the buffered rollouts and
+    # are far faster. A bound learned from them alone (120 s) killed step 5's legitimate 130 s generation (or reward
+    # call) with status 124, though `hang_timeout` was 900. The bound is learned once a generating step was timed.
+    trainer = build_trainer("grpo", toy_models["qwen2"], tmp_path, preset="guarded", num_iterations=4, bf16=False)
+    dog = trainer.hang_watchdog
+    clock = iter([0.0, 60.0, 100.0, 101.0, 200.0, 201.0, 300.0, 301.0, 400.0, 530.0])
+    dog.clock = lambda: next(clock)
+
+    class State:
+        global_step = 0
+
+    for step in range(4):  # step 1 generates (the warm-up step), steps 2-4 reuse its rollouts: 1 s each
+        State.global_step = step
+        dog.on_step_begin(None, State, None)
+        dog.on_step_end(None, State, None)
+    assert dog.bound() == 900  # step 5 generates again: not yet taken for hung after 120 s
+    State.global_step = 4
+    dog.on_step_begin(None, State, None)
+    dog.on_step_end(None, State, None)  # 130 s, timed
+    assert dog.bound() == 900  # learned from a generating step: 10 x 130 s, capped
+    plain = build_trainer("grpo", toy_models["qwen2"], tmp_path / "plain", preset="guarded", bf16=False)
+    assert plain.hang_watchdog.learn_after == 2  # generating at every step: the usual two steps
+
+
+def test_the_abort_checkpoint_is_not_timed_as_part_of_the_step(toy_models, tmp_path):
+    # An abort saves the last good state as a checkpoint from inside the step's inspection. Timed with the step, a
+    # save longer than the learned bound (120 s: a large model on shared storage) ended the process with status 124
+    # half-way through the abort checkpoint, and the agent restarted a run that had diverged.
+    class Recording(trainer_class("sft")):
+        timed_saves: list = []
+
+        def _save_checkpoint(self, model, trial):
+            self.timed_saves.append((self.state.global_step, self.hang_watchdog._began is not None))
+            return super()._save_checkpoint(model, trial)
+
+    fault = Fault(step=3, kind="loss", repeat=1000)
+    trainer = build_trainer(
+        "sft", toy_models["qwen2"], tmp_path, preset="guarded", faults=[fault], nan_max_rollbacks=0, max_steps=8,
+        save_strategy="no", bf16=False, trainer_cls=Recording,
+    )  # fmt: skip
+    with pytest.raises(TrainingDivergedError):
+        trainer.train()
+    assert trainer.timed_saves and not any(timed for _, timed in trainer.timed_saves), trainer.timed_saves
 
 
 def test_jit_checkpoint_is_refused_under_the_guard_with_what_to_use_instead(toy_models, tmp_path):
