@@ -16,7 +16,8 @@ trainer takes it as a request to stop at a step boundary:
    `--max-restarts` allows; a re-submitted job resumes with `resume_from_checkpoint=True`. No step is lost.
 
 The handlers are installed when training begins (main thread only), call a Python handler installed before them,
-leave an ignored signal ignored, and are put back when training ends. A second signal ends the process at once.
+leave an ignored signal ignored, and are put back when training ends. A repeated signal is logged and changes nothing
+(the cluster's SIGKILL after its grace period ends a process that cannot stop).
 """
 
 from __future__ import annotations
@@ -146,9 +147,10 @@ class PreemptionCallback(TrainerCallback):
     # ------------------------------------------------------------------ handlers
     def _handle(self, signum: int, frame: Any) -> None:
         sig = signal.Signals(signum)
-        if self.received is not None:  # a second signal: the default action, now
-            signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
+        if self.received is not None:
+            # A repeat is the same request: under SLURM with torchrun each worker gets the job's SIGTERM and the
+            # agent's forwarded copy within milliseconds. The cluster's SIGKILL ends a process that cannot stop.
+            logger.warning(f"{sig.name} again: already stopping at a step boundary for {self.received.name}.")
             return
         self.received, self.received_at = sig, time.monotonic()
         self.received_step = self.guard.trainer.state.global_step + 1

@@ -139,13 +139,14 @@ def test_jit_checkpoint_is_refused_under_the_guard_with_what_to_use_instead(toy_
 class _SignalAt(TrainerCallback):
     """Sends the process a signal in the middle of a step (at its optimizer step) and records the handlers."""
 
-    def __init__(self, step: int, sig: signal.Signals):
-        self.step, self.sig, self.handlers = step, sig, []
+    def __init__(self, step: int, sig: signal.Signals, times: int = 1):
+        self.step, self.sig, self.times, self.handlers = step, sig, times, []
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.handlers.append(signal.getsignal(self.sig))
         if state.global_step + 1 == self.step:
-            os.kill(os.getpid(), self.sig)
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.sig)
 
 
 def test_a_signal_publishes_the_step_and_the_resume_goes_on_with_the_same_batches(toy_models, tmp_path):
@@ -177,6 +178,18 @@ def test_a_signal_publishes_the_step_and_the_resume_goes_on_with_the_same_batche
                               max_steps=8)  # fmt: skip
     reference.train()
     assert first.seen + resumed.seen == reference.seen  # steps 1-3, then 4-8: no step lost, none repeated
+
+
+def test_a_repeated_signal_is_the_same_request(toy_models, tmp_path):
+    # Under SLURM with torchrun a worker gets the job's SIGTERM and the agent's forwarded copy at once.
+    out = str(tmp_path / "out")
+    trainer = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", max_steps=6)
+    trainer.add_callback(_SignalAt(3, signal.SIGTERM, times=2))
+    with pytest.raises(Preempted) as caught:
+        trainer.train()
+    assert (caught.value.code, caught.value.step) == (PREEMPTED_EXIT_CODE, 3)
+    assert "checkpoint-3" in os.listdir(out) and not nonfinite_in_checkpoints(out)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
 
 def test_handlers_are_left_alone_without_the_guard_or_with_no_signals(toy_models, tmp_path):
