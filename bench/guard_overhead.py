@@ -117,6 +117,10 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
                 held = trainer.nan_guard.snapshotter.snapshot
                 held_bytes, held_pinned = snapshot_bytes(held), pinned_bytes(held)
                 params = sum(p.numel() for p in trainer.model.parameters())
+                batch_bytes, flag_bytes = probe.batch_bytes, probe.device_bytes
+                # The probe holds the guard, which holds the trainer: drop both before the next run is built, or
+                # the last safe run's model, optimizer and snapshot stay alive through the next round.
+                del probe, held
             del trainer
             release()
         round_ratios.append(medians["safe"] / medians["stock"])
@@ -136,8 +140,8 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
         restore=statistics.median(restore_times),
         snapshot_bytes=held_bytes,
         pinned_bytes=held_pinned,
-        batch_bytes=probe.batch_bytes,
-        device_flag_bytes=probe.device_bytes,
+        batch_bytes=batch_bytes,
+        device_flag_bytes=flag_bytes,
         device_extra=extra,
     )
 

@@ -1,8 +1,9 @@
 """The DPO workload the guard benches share: a Qwen2-style model built from a config, toy preference data, stock and
 safe trainers on them, and the probes the benches read (step timer, memory held by the guard, snapshot timing).
 
-Used by `guard_overhead.py` (overhead at one size), `gpu_overhead.py` (the same on a GPU, 0.5B parameters) and
-`guard_scaling.py` (the cost over model sizes). Not a benchmark itself.
+Used by `guard_overhead.py` (overhead at one size), `gpu_overhead.py` (the same on a GPU, 0.5B parameters),
+`guard_scaling.py` (the cost over model sizes) and `guard_memory.py` (peak memory over model sizes). Not a benchmark
+itself.
 """
 
 from __future__ import annotations
@@ -79,13 +80,14 @@ def parameter_count(hidden: int, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_model_dir(root: str, hidden: int, layers: int) -> str:
-    """Build [`qwen2_config`]'s model (random weights, seed 0) and the toy tokenizer into `root/model`."""
+def build_model_dir(root: str, hidden: int, layers: int, dtype: torch.dtype | None = None) -> str:
+    """Build [`qwen2_config`]'s model (random weights, seed 0; stored in `dtype`, fp32 by default) and the toy
+    tokenizer into `root/model`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     path = os.path.join(root, "model")
-    AutoModelForCausalLM.from_config(qwen2_config(hidden, layers)).save_pretrained(path)
+    AutoModelForCausalLM.from_config(qwen2_config(hidden, layers), dtype=dtype).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
 
@@ -108,16 +110,9 @@ class GuardMemoryProbe(TrainerCallback):
         self.device_bytes = 0
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        held = self.guard.batches.nbytes() + sum(_nbytes(b) for b in self.guard.batches._current)
-        self.batch_bytes = max(self.batch_bytes, held)
+        self.batch_bytes = max(self.batch_bytes, self.guard.batches.nbytes())
         flags = [t for step in self.guard.flags.pending for t in step[1:] if torch.is_tensor(t) and t.is_cuda]
         self.device_bytes = max(self.device_bytes, sum(t.numel() * t.element_size() for t in flags))
-
-
-def _nbytes(value) -> int:
-    from safe_trainers.guard.localize import _tensors
-
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
 def _snapshot_tensors(snapshot) -> list[torch.Tensor]:

@@ -5,11 +5,11 @@ For runs whose weights and optimizer state do not fit in host memory next to tra
 of the newest checkpoint this run published or resumed from (every checkpoint is verified finite before it is
 published, see `trainer_hooks.py`), through the Trainer's own resume code, so every backend that resumes (single
 process, DDP, DeepSpeed ZeRO, FSDP2, PEFT adapters) rolls back the same way. An earlier run's checkpoints left in the
-same `output_dir` are never used. The contract is the in-memory one (weights and
-optimizer state come back, with the best-model fields of that checkpoint; `global_step`, the data position, the LR
-schedule and the RNG streams go on), at the cost of a slower restore and of discarding the steps since the last
-checkpoint rather than since the last snapshot. A run that has no checkpoint yet publishes one when training starts
-(`checkpoint-<step>`, e.g. `checkpoint-0`), so there is always a good state to go back to.
+same `output_dir` are never used. The contract is the in-memory one (weights and optimizer state come back, with the
+best-model fields of that checkpoint; `global_step`, the data position, the LR schedule and the RNG streams go on; a
+damaged frozen parameter is repaired from its files, `frozen.py`), at the cost of a slower restore and of discarding
+the steps since the last checkpoint rather than since the last snapshot. A run that has no checkpoint yet publishes
+one when training starts (`checkpoint-<step>`, e.g. `checkpoint-0`), so there is always a good state to go back to.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 from ..errors import TrainingDivergedError
 from .checkpoint import checkpoint_step
 from .events import NanEvent
+from .frozen import repair_frozen
 from .snapshot import BEST_MODEL_FIELDS, Snapshot, _groups
 
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -107,6 +108,7 @@ class CheckpointSnapshotter:
         for key in BEST_MODEL_FIELDS:
             setattr(state, key, saved.get(key))
         self.snapshot.step = checkpoint_step(path) or 0
+        repair_frozen(self.model, self.good, state.global_step)  # a PEFT checkpoint holds the adapters only
         return self.snapshot
 
 

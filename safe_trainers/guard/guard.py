@@ -98,7 +98,8 @@ class NanGuard:
                 self.trainer, backend.optimizer, backend.zero_stage, resumed_from=self.resumed_from
             )
         else:
-            self.snapshotter = Snapshotter(self.trainer.model, backend.optimizer, backend.zero_stage)
+            model, resumed = self.trainer.model, self.resumed_from
+            self.snapshotter = Snapshotter(model, backend.optimizer, backend.zero_stage, resumed_from=resumed)
         self.flags = StepFlags(backend.loss_scaled)
         self.batches.clear()
         if not self.state_is_finite():

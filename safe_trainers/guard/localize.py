@@ -10,7 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checkpoint import all_finite
 from .collectives import distributed
+from .host_buffers import HostArena
 from .sharding import reshard
 
 
@@ -36,23 +38,25 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _nonfinite(value: Any) -> bool:
-    return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in _tensors(value))
+    return not bool(all_finite(_tensors(value)))
 
 
 class RecentBatches:
     """Host copies of the micro-batches of the steps not yet inspected, so a fault can be replayed.
 
-    The copies are queued without blocking (device-to-host into pinned memory on GPU), so the guard keeps no device
-    tensor alive past its step; they are dropped at each inspection. Host memory: the inputs of at most
-    `nan_snapshot_steps` x `gradient_accumulation_steps` micro-batches (token ids and masks for text).
+    The copies are queued without blocking (device-to-host into one pinned buffer per dtype on GPU, reused from one
+    inspection to the next: [`HostArena`]), so the guard keeps no device tensor alive past its step; they are dropped
+    at each inspection. Host memory: the inputs of at most `nan_snapshot_steps` x `gradient_accumulation_steps`
+    micro-batches (token ids and masks for text). On the CPU the inputs themselves are kept, not copied.
     """
 
     def __init__(self):
         self._steps: dict[int, list[Any]] = {}
         self._current: list[Any] = []
+        self.host = HostArena()
 
     def record(self, inputs: Any) -> None:
-        self._current.append(_map_tensors(inputs, _to_host))
+        self._current.append(_map_tensors(inputs, self._to_host))
 
     def end_step(self, step: int) -> None:
         self._steps[step] = self._current
@@ -64,19 +68,18 @@ class RecentBatches:
     def clear(self) -> None:
         self._steps.clear()
         self._current = []
+        self.host.reset()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for batches in self._steps.values() for t in _tensors(batches))
+        """Host bytes held: the pinned buffers on GPU, the inputs kept on the CPU (the current step's included)."""
+        kept = [t for b in [*self._steps.values(), self._current] for t in _tensors(b) if t.device.type == "cpu"]
+        return self.host.nbytes() + sum(t.numel() * t.element_size() for t in kept if not self.host.holds(t))
 
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy queued on the current stream (pinned destination, so the copy never blocks the host); it is read
-    only after an inspection's device-to-host transfer, which follows it on the same stream."""
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy queued on the current stream (pinned destination, so the copy never blocks the host); it is
+        read only after an inspection's device-to-host transfer, which follows it on the same stream."""
+        tensor = tensor.detach()
+        return tensor if tensor.device.type == "cpu" else self.host.copy(tensor)
 
 
 def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) -> dict[str, Any]:

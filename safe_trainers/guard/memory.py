@@ -1,22 +1,22 @@
 """Host memory the NaN guard's snapshot needs, per rank and per node, estimated from the shape of a run.
 
-A snapshot ([`Snapshotter`]) holds, in host memory (pinned on GPU machines):
+A snapshot ([`Snapshotter`]) holds, in host memory (pinned on GPU machines), what the optimizer can change:
 
-* without DeepSpeed (one GPU, DDP, FSDP2): every parameter in its own dtype (the trainable ones re-copied at each
-  snapshot into the same buffers, the frozen ones copied once) and the torch optimizer's state: AdamW's two moments
-  per trainable parameter;
+* without DeepSpeed (one GPU, DDP, FSDP2): every trainable parameter in its own dtype and the torch optimizer's
+  state: AdamW's two moments per trainable parameter. Frozen parameters (a LoRA base) are checked, never copied;
 * under DeepSpeed ZeRO (stages 1-3): this rank's partition of the optimizer: the fp32 master copy of the trainable
-  parameters and AdamW's two fp32 moments. The 16-bit weights and the frozen weights are not copied (a restore
-  rebuilds the 16-bit weights from the fp32 master).
+  parameters and AdamW's two fp32 moments. The 16-bit weights are not copied (a restore rebuilds them from the fp32
+  master).
 
 DDP keeps all of it whole on every rank; ZeRO and FSDP2 shard it over the data-parallel ranks, each rank copying
-only its own shard. Step counters and the loss scaler (a few bytes per parameter tensor) are left out.
+only its own shard. The tensors live in one buffer per dtype, sized exactly (`host_buffers.py`), so these are the
+bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out.
 
 Example:
     ```python
     >>> from safe_trainers.guard.memory import RunShape, per_rank_bytes
     >>> per_rank_bytes(RunShape("7B LoRA", 7_000_000_000, 40_000_000, "fsdp2", world_size=8)) / 2**30
-    1.676...
+    0.0558...
     ```
 """
 
@@ -36,7 +36,7 @@ class Layout:
 
     Args:
         sharded (`bool`): each rank holds `1 / world_size` of the state (ZeRO, FSDP2) instead of all of it (DDP).
-        model_weights (`bool`): the model's own parameters are copied, trainable and frozen (everything but ZeRO).
+        model_weights (`bool`): the model's own trainable parameters are copied (everything but ZeRO).
         fp32_master (`bool`): the optimizer's fp32 master copy of the trainable parameters is copied (ZeRO).
     """
 
@@ -68,7 +68,6 @@ class RunShape:
         gpus_per_node (`int`): ranks per machine.
         weight_bytes (`int`): bytes per trainable parameter as the model stores it (4: fp32, as TRL loads a model by
             default and as FSDP2 keeps trainable parameters under mixed precision).
-        frozen_bytes (`int`): bytes per frozen parameter (2: a LoRA base loaded in bf16).
         moment_bytes (`int`): bytes per element of each of AdamW's two moments (4: fp32).
     """
 
@@ -79,7 +78,6 @@ class RunShape:
     world_size: int = 1
     gpus_per_node: int = 8
     weight_bytes: int = 4
-    frozen_bytes: int = 2
     moment_bytes: int = 4
 
     @property
@@ -94,7 +92,7 @@ def per_rank_bytes(run: RunShape) -> int:
     layout = LAYOUTS[run.strategy]
     total = 2 * run.moment_bytes * run.trainable
     if layout.model_weights:
-        total += run.weight_bytes * run.trainable + run.frozen_bytes * run.frozen
+        total += run.weight_bytes * run.trainable
     if layout.fp32_master:
         total += 4 * run.trainable
     return math.ceil(total / run.world_size) if layout.sharded else total

@@ -1,13 +1,18 @@
 """Copies of the model state kept in host memory, and putting them back.
 
-A snapshot holds what a rollback restores: the weights, the optimizer state (moments and step counters) and the
-trainer's best-model bookkeeping. It deliberately leaves out what belongs to the run's timeline rather than to the
+A snapshot holds what a rollback restores, which is what the optimizer can change: the trainable parameters, the
+optimizer state (moments and step counters) and the trainer's best-model bookkeeping. Frozen parameters (a LoRA base)
+are checked like the rest but never copied: if one is ever found damaged, a restore repairs it from its files or
+stops the run (`frozen.py`). A snapshot deliberately leaves out what belongs to the run's timeline rather than to the
 weights: `global_step`, the data position, the LR schedule position, the loss scaler's calibration, the RNG streams and
-the token/FLOP counters keep going (see `recovery.py`). Tensors go to host memory (pinned when a GPU is used, with
-non-blocking copies that queue behind the training step on the same stream, so taking a snapshot does not stall the
-step). Buffers are allocated once and reused; frozen weights are copied once. Under DeepSpeed ZeRO and FSDP2 each rank
-keeps its own shard (for FSDP2, the local shards of its `DTensor` parameters and moments: placements never change, so
-taking and restoring a snapshot needs no collective).
+the token/FLOP counters keep going (see `recovery.py`).
+
+Tensors go to host memory: one buffer per dtype, sized exactly and reused from one snapshot to the next, each tensor a
+view of it (`host_buffers.py`); page-locked when a GPU is used, with non-blocking copies that queue behind the
+training step on the same stream, so taking a snapshot does not stall the step. A restore copies each tensor back
+into the live tensor it replaces, on that tensor's device and in its dtype, so neither needs more than the tensor
+itself. Under DeepSpeed ZeRO and FSDP2 each rank keeps its own shard (for FSDP2, the local shards of its `DTensor`
+parameters and moments: placements never change, so taking and restoring a snapshot needs no collective).
 """
 
 from __future__ import annotations
@@ -18,18 +23,25 @@ from typing import Any
 
 import torch
 
-from .sharding import like, local, reshard
+from .frozen import repair_frozen
+from .host_buffers import HostBuffers, copy_to_host
+from .sharding import is_sharded, like, local, reshard
 
 
 @dataclass
 class Snapshot:
-    """The last good training state (see module docstring). `step` is the optimizer step it was taken after."""
+    """The last good training state (see module docstring). `step` is the optimizer step it was taken after.
+
+    `placements` records, for each optimizer state tensor `(parameter index, key)`, the device it was copied from and
+    whether it was a `DTensor`: a restore that finds no live tensor to copy into recreates it there.
+    """
 
     step: int = -1
     epoch: float = 0.0
     counters: dict[str, Any] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+    placements: dict[tuple[int, str], tuple[torch.device, bool]] = field(default_factory=dict)
     deepspeed_state: Any = None
     ready: Any = None  # a CUDA event recorded after the copies were queued
 
@@ -53,14 +65,23 @@ class Snapshotter:
         optimizer (`torch.optim.Optimizer`): the torch optimizer (accelerate's wrapper is unwrapped), or the
             DeepSpeed ZeRO optimizer.
         deepspeed_stage (`int | None`): the ZeRO stage when DeepSpeed owns the optimizer, else `None`.
+        resumed_from (`str | None`): the checkpoint `train()` resumed from, if any: with the checkpoints this run
+            publishes, where a damaged frozen parameter may be restored from.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, deepspeed_stage: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        deepspeed_stage: int | None = None,
+        resumed_from: str | None = None,
+    ):
         self.model = model
         self.optimizer = optimizer
         self.deepspeed_stage = deepspeed_stage
         self.snapshot = Snapshot()
-        self._frozen_done = False
+        self.host = HostBuffers()
+        self.checkpoints: list[str] = [resumed_from] if resumed_from else []
 
     # -- taking -------------------------------------------------------------------------------------------------
     def take(self, state: Any) -> Snapshot:
@@ -68,28 +89,17 @@ class Snapshotter:
         snap = self.snapshot
         reshard(self.model)
         if self.deepspeed_stage is not None:
-            snap.deepspeed_state = _clone_to_host(
-                _deepspeed_state(self.optimizer, self.deepspeed_stage), snap.deepspeed_state
-            )
+            source = _deepspeed_state(self.optimizer, self.deepspeed_stage)
+            snap.placements = _placements(source["base"]) if self.deepspeed_stage != 3 else {}
+            snap.deepspeed_state = copy_to_host(source, self.host)
         else:
-            for name, param in self.model.named_parameters():
-                if param.requires_grad or not self._frozen_done:
-                    snap.params[name] = _copy_into(snap.params.get(name), local(param.detach()))
-            self._frozen_done = True
-            opt = self.optimizer
-            index = {id(p): i for i, p in enumerate(_all_params(opt))}
-            seen = set()
-            for param, pstate in opt.state.items():
-                i = index[id(param)]
-                seen.add(i)
-                slot = snap.optimizer_state.setdefault(i, {})
-                for key, value in pstate.items():
-                    slot[key] = (
-                        _copy_into(slot.get(key), local(value)) if torch.is_tensor(value) else copy.deepcopy(value)
-                    )
-            for i in list(snap.optimizer_state):
-                if i not in seen:
-                    del snap.optimizer_state[i]
+            live = {
+                "params": {n: p for n, p in self.model.named_parameters() if p.requires_grad},
+                "optimizer": _optimizer_state(self.optimizer),
+            }
+            snap.placements = _placements(live["optimizer"])
+            held = copy_to_host(live, self.host)
+            snap.params, snap.optimizer_state = held["params"], held["optimizer"]
         snap.counters = {k: getattr(state, k) for k in BEST_MODEL_FIELDS if hasattr(state, k)}
         snap.step = state.global_step
         if torch.cuda.is_available():
@@ -98,7 +108,9 @@ class Snapshotter:
         return snap
 
     def published(self, path: str) -> None:
-        """The trainer published a checkpoint: nothing to do, the host copy is the last good state."""
+        """The trainer published a verified checkpoint: a source for damaged frozen parameters (the host copy stays
+        the last good state)."""
+        self.checkpoints.append(path)
 
     def refresh_best_fields(self, state: Any) -> None:
         """Record the best-model fields as they are now, for the weights already in the snapshot."""
@@ -109,7 +121,8 @@ class Snapshotter:
         """Put the last snapshot back into the model, the optimizer state and the best-model bookkeeping.
 
         The optimizer's hyperparameters (learning rate, betas, ...) stay as they are now: the LR follows the schedule
-        position, which a rollback does not rewind.
+        position, which a rollback does not rewind. A frozen parameter found non-finite is restored from its files,
+        or the run stops ([`repair_frozen`]).
         """
         snap = self.snapshot
         if not snap.taken:
@@ -119,30 +132,17 @@ class Snapshotter:
         live_groups = [{k: v for k, v in g.items() if k != "params"} for g in _groups(self.optimizer)]
         with torch.no_grad():
             if self.deepspeed_stage is not None:
-                _restore_deepspeed(self.optimizer, self.deepspeed_stage, snap.deepspeed_state)
+                _restore_deepspeed(self.optimizer, self.deepspeed_stage, snap.deepspeed_state, snap.placements)
             else:
                 for name, param in self.model.named_parameters():
                     if name in snap.params:
                         local(param).copy_(snap.params[name], non_blocking=True)
-                params = _all_params(self.optimizer)
-                for i, param in enumerate(params):
-                    saved = snap.optimizer_state.get(i)
-                    if saved is None:
-                        self.optimizer.state.pop(param, None)
-                        continue
-                    live = self.optimizer.state.setdefault(param, {})
-                    for key, value in saved.items():
-                        current = live.get(key)
-                        if torch.is_tensor(value) and torch.is_tensor(current) and local(current).shape == value.shape:
-                            local(current).copy_(value, non_blocking=True)
-                        elif torch.is_tensor(value):
-                            live[key] = like(param, value) if value.dim() > 0 else value.clone()
-                        else:
-                            live[key] = copy.deepcopy(value)
+                _restore_optimizer_state(self.optimizer, snap.optimizer_state, snap.placements)
         for group, live in zip(_groups(self.optimizer), live_groups):
             group.update(live)  # DeepSpeed's `load_state_dict` brings the snapshot's hyperparameters back
         for key, value in snap.counters.items():
             setattr(state, key, value)
+        repair_frozen(self.model, self.checkpoints, state.global_step)
         return snap
 
 
@@ -169,40 +169,63 @@ def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _copy_into(buffer: torch.Tensor | None, source: torch.Tensor) -> torch.Tensor:
-    """Copy `source` into a reusable host buffer (allocated, pinned on GPU machines, on first use)."""
-    if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-        buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda)
-    buffer.copy_(source, non_blocking=source.is_cuda)
-    return buffer
+def _optimizer_state(optimizer: Any) -> dict[int, dict[str, Any]]:
+    """The optimizer's per-parameter state (live tensors), keyed by the parameter's index in its param groups."""
+    index = {id(p): i for i, p in enumerate(_all_params(optimizer))}
+    return {index[id(p)]: dict(pstate) for p, pstate in optimizer.state.items() if id(p) in index}
 
 
-def _clone_to_host(value: Any, previous: Any = None) -> Any:
-    """A host copy of a nested structure of tensors, reusing the buffers of `previous` where shapes match."""
-    if torch.is_tensor(value):
-        return _copy_into(previous if torch.is_tensor(previous) else None, value.detach())
-    if isinstance(value, dict):
-        prev = previous if isinstance(previous, dict) else {}
-        return {k: _clone_to_host(v, prev.get(k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        prev = previous if isinstance(previous, (list, tuple)) and len(previous) == len(value) else [None] * len(value)
-        return type(value)(_clone_to_host(v, p) for v, p in zip(value, prev))
-    return copy.deepcopy(value)
+def _placements(state: dict[int, dict[str, Any]]) -> dict[tuple[int, str], tuple[torch.device, bool]]:
+    return {
+        (i, key): (local(v).device, is_sharded(v))
+        for i, slot in state.items()
+        for key, v in slot.items()
+        if torch.is_tensor(v)
+    }
+
+
+def _restore_optimizer_state(optimizer: Any, saved: dict[int, dict[str, Any]], placements: dict) -> None:
+    """Put a snapshot's optimizer state back: each tensor copied into the live one it replaces (same device, same
+    dtype, no new memory), or recreated where it was copied from when there is none."""
+    for i, param in enumerate(_all_params(optimizer)):
+        slot = saved.get(i)
+        if slot is None:
+            optimizer.state.pop(param, None)
+            continue
+        live = optimizer.state.setdefault(param, {})
+        for key, value in slot.items():
+            live[key] = _restored(live.get(key), value, param, placements.get((i, key)))
+
+
+def _restored(current: Any, value: Any, param: torch.Tensor, placement: tuple[torch.device, bool] | None) -> Any:
+    """The live value after restoring `value` (a host copy) over `current`."""
+    if not torch.is_tensor(value):
+        return copy.deepcopy(value)
+    if torch.is_tensor(current) and local(current).shape == value.shape:
+        local(current).copy_(value, non_blocking=True)
+        return current
+    device, sharded = placement or (local(param).device, is_sharded(param) and value.dim() > 0)
+    if sharded:
+        return like(param, value)
+    # A copy, never the host view itself (the next snapshot overwrites it), on the device it came from: AdamW's
+    # 0-dim `step` lives on the GPU under the fused and capturable implementations, on the CPU otherwise.
+    return value.to(device, copy=True)
 
 
 def _deepspeed_state(optimizer: Any, stage: int) -> dict[str, Any]:
-    """This rank's shard of the ZeRO optimizer: the fp32 master partitions and the base optimizer's state."""
+    """This rank's shard of the ZeRO optimizer: the fp32 master partitions and the base optimizer's state (live
+    tensors, copied by the caller)."""
     if stage == 3:
         # Read only: no `checkpoint_event_prologue` here, which would release the gathered parameters mid-step and
         # break ZeRO-3's prefetch trace.
         return optimizer.state_dict()
     return {
-        "base": optimizer.optimizer.state_dict(),
+        "base": _optimizer_state(optimizer.optimizer),
         "fp32": list(optimizer.single_partition_of_fp32_groups),
     }
 
 
-def _restore_deepspeed(optimizer: Any, stage: int, saved: dict[str, Any]) -> None:
+def _restore_deepspeed(optimizer: Any, stage: int, saved: dict[str, Any], placements: dict) -> None:
     if stage == 3:
         # The sequence of DeepSpeed's own checkpoint load: restores the base optimizer state, the fp32 partitions,
         # the 16-bit partitions from them, and re-gathers the persistent (unpartitioned) parameters. The list is
@@ -211,8 +234,9 @@ def _restore_deepspeed(optimizer: Any, stage: int, saved: dict[str, Any]) -> Non
         optimizer.load_state_dict([saved] * torch.distributed.get_world_size(), load_optimizer_states=True)
         optimizer.checkpoint_event_epilogue()
         return
-    optimizer.optimizer.load_state_dict(saved["base"])
+    # ZeRO-1/2: the base optimizer's state and the fp32 partitions (its parameters), copied into the live tensors.
+    _restore_optimizer_state(optimizer.optimizer, saved["base"], placements)
     for live, host in zip(optimizer.single_partition_of_fp32_groups, saved["fp32"]):
-        live.data.copy_(host)
+        live.data.copy_(host, non_blocking=True)
     # fp32 partition -> this rank's 16-bit partition -> all-gathered into every rank's 16-bit weights.
     optimizer.update_lp_params()

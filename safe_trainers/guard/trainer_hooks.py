@@ -227,7 +227,7 @@ class NanGuardTrainerMixin:
         if self.nan_guard is not None and self.args.should_save:
             tensors = state_dict if state_dict is not None else self.model.state_dict()
             if not bool(all_finite(tensors.values())):
-                bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+                bad = [k for k, t in tensors.items() if not bool(all_finite([t]))]
                 raise NonFiniteWeightsError(output_dir or self.args.output_dir, bad[:10])
         super()._save(output_dir, state_dict=state_dict)
 

@@ -122,7 +122,6 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
         strategy = "ddp" if trainer.args.world_size > 1 else "single"
     if strategy == "zero0":
         return {}
-    frozen = [p for p in params if not p.requires_grad]
     shape = RunShape(
         name=trainer._safety_kind,
         params=sum(p.numel() for p in params),
@@ -131,7 +130,6 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
         world_size=trainer.args.world_size,
         gpus_per_node=local_ranks(trainer.args.world_size),
         weight_bytes=trainable[0].element_size() if trainable else 4,
-        frozen_bytes=frozen[0].element_size() if frozen else 2,
     )
     return {
         "snapshot_strategy": strategy,

@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 from ..guard.sharding import is_sharded, local
 
 
-FaultKind = Literal["loss", "grad", "weight", "update"]
+FaultKind = Literal["loss", "grad", "weight", "update", "frozen"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Fault:
         kind (`str`): `"loss"` (the last decoder layer outputs NaN on the training forward, so the loss is NaN),
             `"grad"` (one trainable parameter's gradient becomes `value`), `"weight"` (one trainable weight is
             overwritten with `value` before the step, so the step's loss sees it), `"update"` (the same weight is
-            overwritten right after the optimizer step, as a bad update would: the step's loss stays finite).
+            overwritten right after the optimizer step, as a bad update would: the step's loss stays finite),
+            `"frozen"` (one frozen weight matrix, a LoRA base layer say, is overwritten with `value` before the step).
         rank (`int | None`): the only rank that injects (`None`: every rank).
         micro_batch (`int | None`): with `kind="loss"`, poison only this micro-batch of the step (0-based, among
             `gradient_accumulation_steps`); a replay of the step's micro-batches, in order, is poisoned the same way.
@@ -73,6 +74,7 @@ class FaultInjector(TrainerCallback):
         param = first_trainable_matrix(model)
         self._handles = [layer.register_forward_hook(self._poison_activation), param.register_hook(self._poison_grad)]
         self._weight = param
+        self._frozen = first_frozen_matrix(model) if any(f.kind == "frozen" for f in self.faults) else None
         self._accumulation = args.gradient_accumulation_steps
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -86,6 +88,10 @@ class FaultInjector(TrainerCallback):
                     self._micro_batch = fault.micro_batch
         if "weight" in self._active:
             self._poison_weight(optimizer, "weight")
+        if "frozen" in self._active:
+            with torch.no_grad():
+                local(self._frozen.data).view(-1)[0] = self._active["frozen"]
+            self.injected.append((self._step, "frozen"))
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if "update" in self._active:
@@ -155,3 +161,11 @@ def first_trainable_matrix(model: torch.nn.Module) -> torch.nn.Parameter:
     if candidates:
         return candidates[0]
     raise ValueError(f"{type(model).__name__} has no trainable parameter.")
+
+
+def first_frozen_matrix(model: torch.nn.Module) -> torch.nn.Parameter:
+    """The first frozen weight matrix outside the embeddings (a LoRA base layer of a PEFT model)."""
+    for name, param in model.named_parameters():
+        if not param.requires_grad and "embed" not in name and param.dim() >= 2:
+            return param
+    raise ValueError(f"{type(model).__name__} has no frozen weight matrix.")

@@ -16,15 +16,22 @@ TINY = ["--steps", "3", "--seq", "16", "--batch", "2"]
 
 SCALING = ["--sizes", "32x1", "--warmup", "1", "--rounds", "1", "--repeats", "1"]
 OVERHEAD = ["--hidden", "32", "--layers", "1", "--rounds", "1", "--optims", "adamw_torch"]
+MEMORY = ["--steps", "1", "--seq", "16", "--sizes", "32x1", "--methods", "lora"]
+FINITE = ["--megabytes", "8", "--repeats", "1"]
 
 
 @pytest.mark.parametrize(
     "script,args,expected",
-    [("guard_scaling.py", SCALING, "snapshot held"), ("guard_overhead.py", OVERHEAD, "rollback")],
+    [
+        ("guard_scaling.py", TINY + SCALING, "snapshot held"),
+        ("guard_overhead.py", TINY + OVERHEAD, "rollback"),
+        ("guard_memory.py", MEMORY, "guard extra"),
+        ("finite_check.py", FINITE, "catches a NaN"),
+    ],
 )
 def test_bench_runs_and_prints_its_table(script, args, expected):
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    command = [sys.executable, str(ROOT / "bench" / script), *TINY, *args]
+    command = [sys.executable, str(ROOT / "bench" / script), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]

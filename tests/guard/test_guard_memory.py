@@ -16,7 +16,7 @@ from safe_trainers.testing.build import build_trainer
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 B7, LORA7 = 7_000_000_000, 40_000_000
-LORA7_STATE = 12 * LORA7 + 2 * (B7 - LORA7)  # adapters: fp32 weights + 2 fp32 moments; base: bf16
+LORA7_STATE = 12 * LORA7  # the adapters' fp32 weights and two fp32 moments; the frozen base is never copied
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ LORA7_STATE = 12 * LORA7 + 2 * (B7 - LORA7)  # adapters: fp32 weights + 2 fp32 m
         # FSDP2 and ZeRO-3 shard the same 12 bytes per parameter (ZeRO: master + moments, no 16-bit weights).
         (RunShape("", B7, B7, "fsdp2", world_size=8), 12 * B7 // 8, 12 * B7),
         (RunShape("", B7, B7, "zero3", world_size=64), 12 * B7 // 64, 12 * B7 // 8),
-        # LoRA: the frozen bf16 base is copied (once) unless ZeRO owns the optimizer, which holds the adapters only.
+        # LoRA: the adapters' state only, whatever the strategy (ZeRO's fp32 master stands in for the weights).
         (RunShape("", B7, LORA7, "ddp", world_size=8), LORA7_STATE, 8 * LORA7_STATE),
         (RunShape("", B7, LORA7, "fsdp2", world_size=8), LORA7_STATE // 8, LORA7_STATE),
         (RunShape("", B7, LORA7, "zero3", world_size=8), 12 * LORA7 // 8, 12 * LORA7),
@@ -47,19 +47,26 @@ def test_unknown_strategy_is_refused():
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_estimate_matches_a_real_snapshot(lora, toy_models, tmp_path):
     peft = {"peft_config": LoraConfig(target_modules=["q_proj", "v_proj"], r=4)} if lora else {}
-    trainer = build_trainer("sft", toy_models["qwen2"], tmp_path, max_steps=1, trainer_kwargs=peft)
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, max_steps=1, trainer_kwargs=peft)
     trainer.train()
-    snapshot = trainer.nan_guard.snapshotter.snapshot
+    snapshotter = trainer.nan_guard.snapshotter
+    snapshot = snapshotter.snapshot
     held = list(snapshot.params.values())
     held += [v for slot in snapshot.optimizer_state.values() for v in slot.values() if torch.is_tensor(v)]
     held_bytes = sum(t.numel() * t.element_size() for t in held)
     params = list(trainer.model.parameters())
     trainable = [p for p in params if p.requires_grad]
     assert {p.dtype for p in params} == {torch.float32}  # the toy checkpoint is fp32, frozen base included
-    run = RunShape("toy", sum(p.numel() for p in params), sum(p.numel() for p in trainable), "single", frozen_bytes=4)
+    # Only what the optimizer changes is held: the frozen base of a LoRA run is not copied.
+    names = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert set(snapshot.params) == names and (len(names) < len(params)) is lora
+    run = RunShape("toy", sum(p.numel() for p in params), sum(p.numel() for p in trainable), "single")
     # The estimate leaves out AdamW's step counters: one fp32 scalar per trainable tensor.
     assert held_bytes - per_rank_bytes(run) == 4 * len(trainable)
+    # And the host buffers hold exactly those bytes: one buffer per dtype, no rounding.
+    assert snapshotter.host.nbytes() == held_bytes
 
 
-def test_the_memory_table_in_the_docs_is_generated_and_fresh():
-    assert memory_table() in (DOCS / "guard.md").read_text()
+@pytest.mark.parametrize("page", [DOCS / "guard.md", DOCS.parent / "README.md"], ids=["guard.md", "README"])
+def test_the_memory_table_in_the_docs_is_generated_and_fresh(page):
+    assert memory_table() in page.read_text()

@@ -1,0 +1,226 @@
+"""Host memory for the guard's copies of device tensors: one buffer per dtype, sized exactly, a view for each tensor.
+
+The snapshot (`snapshot.py`) and the diagnosis's micro-batch copies (`localize.py`) keep device tensors in host
+memory. Pinning one host tensor per tensor goes through CUDA's caching host allocator, which rounds every block up to
+a power of two and keeps it (a 37.7 MB tensor takes a 64 MB block): the memory held was up to twice the bytes
+copied. Here each dtype gets one plain host buffer of exactly the bytes its tensors need, allocated once for a layout
+and reused while the layout holds, and page-locked in place (`cudaHostRegister`) when the tensors come from a CUDA
+device, so that non-blocking device-to-host copies can land in it. Each tensor is a view of its dtype's buffer, so
+every view is aligned for its dtype. On a CPU-only run nothing is pinned; the layout is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .sharding import local
+
+logger = logging.getLogger("safe_trainers")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives: `numel` elements of its dtype's buffer from element `offset`, viewed as `shape`."""
+
+    dtype: torch.dtype
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def plan(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[torch.dtype, int], list[Slot]]:
+    """Lay out tensors of the given `(shape, dtype)`s back to back, one buffer per dtype.
+
+    Returns:
+        The number of elements of each dtype's buffer (dtypes in order of first appearance) and each tensor's
+        [`Slot`], in the order of `specs`.
+    """
+    sizes: dict[torch.dtype, int] = {}
+    slots = []
+    for shape, dtype in specs:
+        slot = Slot(dtype, sizes.get(dtype, 0), tuple(shape))
+        sizes[dtype] = slot.offset + slot.numel
+        slots.append(slot)
+    return sizes, slots
+
+
+class HostBuffers:
+    """One exactly sized host buffer per dtype for a fixed list of tensor shapes, and a view of it for each tensor.
+
+    [`views`] allocates the buffers the first time and whenever the shapes change (a snapshot before the optimizer's
+    first step has no moments yet), and returns the same views otherwise.
+
+    With `pin=True` (tensors copied from a CUDA device) the buffers are page-locked, for non-blocking copies; when
+    the CUDA runtime refuses (a locked-memory limit) they stay pageable, with a warning, and copies wait for the
+    device.
+    """
+
+    def __init__(self):
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.pinned = False
+        self._signature: tuple | None = None
+        self._views: list[torch.Tensor] = []
+        self._unpin = None
+
+    def views(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], pin: bool = False) -> list[torch.Tensor]:
+        """A view per `(shape, dtype)` of `specs`, each in its dtype's buffer (reused when `specs` and `pin` are
+        unchanged)."""
+        signature = (pin, *((tuple(shape), dtype) for shape, dtype in specs))
+        if signature != self._signature:
+            self.release()
+            sizes, slots = plan(signature[1:])
+            self.buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+            if pin:
+                self._pin()
+            self._views = [self.buffers[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in slots]
+            self._signature = signature
+        return self._views
+
+    def nbytes(self) -> int:
+        """The bytes the buffers hold (exactly the bytes of the tensors laid out in them)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def release(self) -> None:
+        """Drop the buffers (unpinning them first, once every queued copy has finished)."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self.buffers, self._views, self._signature, self.pinned = {}, [], None, False
+
+    def _pin(self) -> None:
+        registered = []
+        for buffer in self.buffers.values():
+            if buffer.numel() and not _register(buffer):
+                _unregister(registered)
+                logger.warning(
+                    "NaN guard: could not page-lock a host buffer of the snapshot (the locked-memory limit, `ulimit "
+                    "-l`?); it stays in pageable memory, so copies to it wait for the device."
+                )
+                return
+            if buffer.numel():
+                registered.append(buffer)
+        self.pinned = bool(registered)
+        # Unpinned when released or garbage-collected; the finalizer holds the buffers until then, so their memory
+        # is never freed while registered. Not at exit: the process's memory goes with it.
+        self._unpin = weakref.finalize(self, _unregister, registered)
+        self._unpin.atexit = False
+
+
+def _register(buffer: torch.Tensor) -> bool:
+    """Page-lock `buffer`'s memory in place for the CUDA runtime; whether it worked."""
+    try:
+        cudart = torch.cuda.cudart()
+        result = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+        return result == cudart.cudaError.success
+    except (RuntimeError, AttributeError, AssertionError):
+        return False
+
+
+def _unregister(buffers: list[torch.Tensor]) -> None:
+    if not buffers:
+        return
+    torch.cuda.synchronize()  # no copy to or from the buffers may still be queued
+    cudart = torch.cuda.cudart()
+    for buffer in buffers:
+        cudart.cudaHostUnregister(buffer.data_ptr())
+    buffers.clear()
+
+
+class HostArena:
+    """Host copies of tensors whose shapes change from one use to the next (micro-batches), all dropped together by
+    [`reset`]: one buffer per dtype (pinned for copies from a CUDA device), carved in order.
+
+    A copy that does not fit gets a buffer of its own, exactly sized; at the next reset the dtype's buffer is
+    reallocated to exactly the largest total seen between two resets, so after the first windows the arena holds
+    one buffer per dtype, allocated once and reused.
+    """
+
+    def __init__(self):
+        self.main = HostBuffers()
+        self.capacity: dict[torch.dtype, int] = {}
+        self.used: dict[torch.dtype, int] = {}
+        self.demand: dict[torch.dtype, int] = {}
+        self.overflow: list[HostBuffers] = []
+        self.pin = False
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor`; from a CUDA device it is queued without blocking (read it after a host sync)."""
+        dtype, n = tensor.dtype, tensor.numel()
+        self.pin = tensor.is_cuda
+        start = self.used.get(dtype, 0)
+        self.demand[dtype] = self.demand.get(dtype, 0) + n
+        if start + n <= self.capacity.get(dtype, 0):
+            self.used[dtype] = start + n
+            view = self.main.buffers[dtype][start : start + n].view(tensor.shape)
+        else:
+            extra = HostBuffers()
+            self.overflow.append(extra)
+            view = extra.views([(tuple(tensor.shape), dtype)], pin=self.pin)[0]
+        return view.copy_(tensor, non_blocking=self.pin)
+
+    def reset(self) -> None:
+        """Drop every copy (their views must no longer be read); grow the buffers if some copy did not fit."""
+        if self.overflow:
+            for extra in self.overflow:
+                extra.release()
+            self.overflow = []
+            dtypes = {*self.capacity, *self.demand}
+            self.capacity = {d: max(self.capacity.get(d, 0), self.demand.get(d, 0)) for d in dtypes}
+            self.main.views([((n,), d) for d, n in self.capacity.items()], pin=self.pin)
+        self.used, self.demand = {}, {}
+
+    def nbytes(self) -> int:
+        """The bytes held: the buffers and the copies that did not fit."""
+        return self.main.nbytes() + sum(extra.nbytes() for extra in self.overflow)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view of one of the arena's buffers."""
+        storage = tensor.untyped_storage().data_ptr()
+        buffers = [*self.main.buffers.values(), *(b for extra in self.overflow for b in extra.buffers.values())]
+        return any(b.untyped_storage().data_ptr() == storage for b in buffers)
+
+
+def copy_to_host(value: Any, buffers: HostBuffers) -> Any:
+    """A host copy of a nested structure (dicts, lists, tuples) of tensors: every tensor copied into a view of
+    `buffers` (non-blocking from a CUDA device: wait on an event recorded after it before reading), every other leaf
+    deep-copied. A `DTensor` is copied as this rank's shard."""
+    leaves = list(_tensors(value))
+    views = buffers.views([(tuple(t.shape), t.dtype) for t in leaves], pin=any(t.is_cuda for t in leaves))
+    for view, tensor in zip(views, leaves):
+        view.copy_(tensor, non_blocking=tensor.is_cuda)
+    return _rebuild(value, iter(views))
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if torch.is_tensor(value):
+        yield local(value).detach()
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _rebuild(value: Any, views: Iterator[torch.Tensor]) -> Any:
+    if torch.is_tensor(value):
+        return next(views)
+    if isinstance(value, dict):
+        return {k: _rebuild(v, views) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuild(v, views) for v in value)
+    return copy.deepcopy(value)
+
+
+__all__ = ["HostArena", "HostBuffers", "Slot", "copy_to_host", "plan"]

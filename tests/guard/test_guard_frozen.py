@@ -1,0 +1,106 @@
+"""Frozen parameters (`safe_trainers.guard.frozen`): checked, never copied into the snapshot, and when damaged
+restored from their files only where the files hold them, or the run stops naming them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from safe_trainers.errors import TrainingDivergedError
+from safe_trainers.guard import read_events
+from safe_trainers.guard.frozen import file_keys, repair_frozen, source_matches
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import Fault, first_frozen_matrix
+
+
+LORA = {"peft_config": LoraConfig(target_modules=["q_proj", "v_proj"], r=4)}
+BASE_NAME = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+FILE_KEY = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "name,keys",
+    [
+        ("model.embed_tokens.weight", ["model.embed_tokens.weight"]),
+        (BASE_NAME, [BASE_NAME, FILE_KEY]),
+        ("base_model.model.score.original_module.weight", ["base_model.model.score.original_module.weight", "score.weight"]),
+    ],
+)  # fmt: skip
+def test_a_parameter_is_looked_up_by_its_own_name_then_without_the_peft_wrappers(name, keys):
+    assert file_keys(name) == keys
+
+
+@pytest.mark.parametrize(
+    "equal,finite,numel,matches",
+    [(10, 10, 10, True), (6, 6, 10, True), (9, 10, 10, False), (4, 4, 10, False), (0, 0, 10, False)],
+)
+def test_a_file_is_the_source_only_if_it_agrees_on_enough_finite_values(equal, finite, numel, matches):
+    assert source_matches(equal, finite, numel) is matches
+
+
+@pytest.mark.parametrize("rollback_from", ["memory", "checkpoint"])
+def test_a_damaged_frozen_base_weight_is_restored_from_the_model_files(toy_models, tmp_path, rollback_from):
+    model = toy_models["qwen2"]
+    trainer = build_trainer(
+        "dpo", model, tmp_path, preset="guarded", faults=[Fault(5, "frozen")], trainer_kwargs=LORA,
+        nan_rollback_from=rollback_from,
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.fault_injector.injected == [(5, "frozen")]
+    events = read_events(str(tmp_path))
+    assert [(e["step"], e["kind"]) for e in events] == [(5, "skip"), (5, "rollback")]
+    assert events[1]["reason"] == "nonfinite_state"
+    weight = dict(trainer.model.named_parameters())[BASE_NAME]
+    assert not weight.requires_grad and torch.equal(weight.detach(), load_file(f"{model}/model.safetensors")[FILE_KEY])
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+    assert trainer.state.global_step == 10
+    if rollback_from == "memory":  # the snapshot never held the base
+        assert BASE_NAME not in trainer.nan_guard.snapshotter.snapshot.params
+
+
+def test_a_base_changed_in_memory_is_never_replaced_from_the_files(toy_models, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(2)  # e.g. an adapter merged in before this run
+    trainer = build_trainer("dpo", model, tmp_path, preset="guarded", faults=[Fault(5, "frozen")], trainer_kwargs=LORA)
+    with pytest.raises(TrainingDivergedError, match=f"frozen parameter\\(s\\) `{BASE_NAME}` hold NaN or Inf"):
+        trainer.train()
+    assert trainer.state.global_step == 5
+
+
+def _freeze_all_but_the_head(model):
+    for name, param in model.named_parameters():
+        param.requires_grad_("lm_head" in name or "norm" in name)
+
+
+def test_the_newest_verified_checkpoint_that_holds_it_comes_first(toy_models, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
+    _freeze_all_but_the_head(model)
+    weight = first_frozen_matrix(model)
+    with torch.no_grad():
+        weight.mul_(3)  # no longer what the model's files hold
+    expected = weight.detach().clone()
+    model.save_pretrained(tmp_path / "checkpoint-4")  # what this run's verified checkpoint holds
+    with torch.no_grad():
+        weight.view(-1)[:5] = float("nan")
+    name = next(n for n, p in model.named_parameters() if p is weight)
+    assert repair_frozen(model, [str(tmp_path / "gone"), str(tmp_path / "checkpoint-4")], step=6) == [name]
+    assert torch.equal(weight.detach(), expected)
+    assert repair_frozen(model, [], step=6) == []  # nothing damaged: nothing to do
+
+
+@pytest.mark.parametrize("damage", ["all", "half_and_one"])
+def test_too_little_left_to_verify_a_source_stops_the_run(toy_models, tmp_path, damage):
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
+    _freeze_all_but_the_head(model)
+    weight = first_frozen_matrix(model)
+    name = next(n for n, p in model.named_parameters() if p is weight)
+    with torch.no_grad():
+        flat = weight.view(-1)
+        flat[: flat.numel() if damage == "all" else flat.numel() // 2 + 1] = float("inf")
+    with pytest.raises(TrainingDivergedError, match=f"`{name}`") as error:
+        repair_frozen(model, [], step=3)
+    assert "Training stopped at step 3" in str(error.value) and toy_models["qwen2"] in str(error.value)
