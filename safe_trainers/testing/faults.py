@@ -67,6 +67,7 @@ class FaultInjector(TrainerCallback):
         self._accumulation = 1
         self._handles: list[Any] = []
         self._weight: torch.nn.Parameter | None = None
+        self._frozen: torch.nn.Parameter | None = None
         self._step = 0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
