@@ -5,13 +5,12 @@ poisoned step (its batches not trained: no backward at all) and a NaN loss are s
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
 from safe_trainers.guard import read_events
 from safe_trainers.guard.progress import Death, History, ProgressWriter, data_identity
-from safe_trainers.guard.restart import RESTART_COUNT, launch_identity
+from safe_trainers.guard.launch import TrainCalls, agent_identity, launch_agents
 from safe_trainers.testing.faults import Fault
 
 from gpu_utils import StepStates, all_finite, logged
@@ -24,11 +23,18 @@ FP16 = dict(use_cpu=False, fp16=True, bf16=False, safety_disable_rules=["precisi
 
 
 def killed_twice_in(trainer, step: int, monkeypatch) -> None:
-    """Make `trainer`'s process the third attempt of its launch, after attempts 0 and 1 died feeding `step` (the
-    record the step progress leaves on disk): `step` is poisoned and its batches are not trained."""
-    monkeypatch.setenv(RESTART_COUNT, "2")
+    """Make `trainer`'s process the third attempt of its launch (torchrun's restart 2, the same agent), after attempts
+    0 and 1 died feeding `step` (the record the step progress leaves on disk): `step` is poisoned and its batches are
+    not trained."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    agents = {}
+    for count in (1, 2):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", f"/tmp/torchelastic_gpu/none_gpu/attempt_{count}/0/error.json")
+        agents[count] = launch_agents([agent_identity(dict(os.environ))])
+    TrainCalls.reset()
     data = data_identity(trainer.args, len(trainer.train_dataset))
-    history = History(1, deaths=(Death(0, step),), launch=launch_identity(os.environ), started=time.time())
+    history = History(1, deaths=(Death(0, step),), launch=agents[1], restart=1)
     writer = ProgressWriter(trainer.args.output_dir, history, data)
     writer.write(step, "step")
     writer.close()
