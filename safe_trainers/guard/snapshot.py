@@ -88,6 +88,9 @@ class Snapshotter:
         """Copy the current state into the host buffers (asynchronously on GPU) and return the snapshot."""
         snap = self.snapshot
         reshard(self.model)
+        # Drop the previous copy's views first: when the layout changes (the optimizer's moments appear after its
+        # first step) its buffers are then freed before the new ones are allocated, not held alongside them.
+        snap.step, snap.params, snap.optimizer_state, snap.deepspeed_state = -1, {}, {}, None
         if self.deepspeed_stage is not None:
             source = _deepspeed_state(self.optimizer, self.deepspeed_stage)
             snap.placements = _placements(source["base"]) if self.deepspeed_stage != 3 else {}
