@@ -141,6 +141,9 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "nan_spike_patience": 2,
         "resume_on_restart": True,
         "skip_step_after_crashes": 2,
+        "preempt_signals": ["SIGTERM", "SIGUSR1"],
+        "hang_timeout": 900.0,
+        "hang_timeout_factor": 10.0,
     }
     assert safe_dict == plain.to_dict()
 
