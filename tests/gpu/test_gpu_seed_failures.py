@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification
 
 import safe_trainers as st
 from safe_trainers.guard import read_events
-from safe_trainers.rules.attention import flash_soft_caps, softcap_safe_implementation
+from safe_trainers.rules.attention import SOFTCAP_SAFE, flash_soft_caps
 from safe_trainers.rules.hardware import package_version
 from safe_trainers.rules.peft import head_parameters
 from safe_trainers.testing.quick import quick_args
@@ -149,7 +149,7 @@ def test_gemma2_flash_attention(toy_models, tmp_path, record_property):
 
     safe = build_trainer("dpo", toy_models["gemma2"], tmp_path, dataset=data, **{**settings, "model_init_kwargs": dict(init)})
     soft_caps = flash_soft_caps("flash_attention_2", version)
-    expected = "flash_attention_2" if soft_caps else softcap_safe_implementation(type(safe.model))
+    expected = "flash_attention_2" if soft_caps else SOFTCAP_SAFE
     assert safe.model.config._attn_implementation == expected
     assert ("attention.gemma2_no_flash" in actions(safe)) == (not soft_caps)
     assert all_finite(train_losses(safe)) and all_finite(logged(safe, "grad_norm"))
