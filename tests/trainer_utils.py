@@ -41,3 +41,27 @@ def actions(trainer) -> dict[str, str]:
 def read_report(trainer) -> dict:
     with open(os.path.join(trainer.args.output_dir, "safety_report.json")) as f:
         return json.load(f)
+
+
+def check_gemma2_sdpa_without_the_rule(kind: str, model_path: str, tmp_path) -> None:
+    """The control of `attention.gemma2_no_flash`: without the rule, transformers 5.21 and later refuse sdpa for
+    Gemma-2; 5.3-5.20 accept it (`_supports_sdpa = True`) and load a model whose attention drops the soft-cap."""
+    import pytest
+    from transformers import Gemma2PreTrainedModel
+
+    from safe_trainers.testing.build import build_trainer
+
+    def build():
+        return build_trainer(
+            kind,
+            model_path,
+            tmp_path,
+            model_init_kwargs={"attn_implementation": "sdpa"},
+            safety_disable_rules=["attention.gemma2_no_flash"],
+        )
+
+    if Gemma2PreTrainedModel._supports_sdpa:
+        assert build().model.config._attn_implementation == "sdpa"
+        return
+    with pytest.raises(ValueError, match="does not support an attention implementation"):
+        build()

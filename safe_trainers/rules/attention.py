@@ -24,15 +24,16 @@ def flash_soft_caps(impl: object, flash_attn_version: str | None) -> bool:
         return False
 
 
-def softcap_safe_implementation(model_class: type | None) -> str:
-    """The implementation to use for a soft-capped model: sdpa only where the installed transformers accepts sdpa
-    for this model class (it has no soft-capping and transformers 5 refuses it for Gemma-2), eager otherwise."""
-    return "sdpa" if model_class is not None and getattr(model_class, "_supports_sdpa", False) else "eager"
+SOFTCAP_SAFE = "eager"
+"""The implementation a soft-capped model is switched to. Eager applies the soft-cap in the forward and backward pass;
+sdpa never does (PyTorch's kernel has no soft-cap argument), even where the installed transformers lets the model class
+load with sdpa: Gemma-2 declares `_supports_sdpa = True` in transformers 5.3-5.20 and the cap is silently dropped there
+(5.21 and later refuse sdpa for it)."""
 
 
 class Gemma2NoFlash(Rule):
-    """Models with soft-capped attention logits (Gemma-2) train with eager (or sdpa where supported), not flash
-    (flash-attn >= 2.6.3 soft-caps and is kept).
+    """Models with soft-capped attention logits (Gemma-2) train with eager, not sdpa or flash (flash-attn >= 2.6.3
+    soft-caps and is kept).
 
     What it changes:
         for models with soft-capped attention logits (`attn_logit_softcapping`, i.e. Gemma-2), `flash_attention_*`
@@ -41,9 +42,9 @@ class Gemma2NoFlash(Rule):
 
     Why:
         flash-attn builds before 2.6.3 ignore the soft-cap in the backward pass: NaN loss
-        ([OpenRLHF#528](https://github.com/OpenRLHF/OpenRLHF/issues/528)). The target is sdpa only where the installed
-        transformers accepts sdpa for that model class; transformers 5 refuses it for Gemma-2 (sdpa cannot soft-cap),
-        so today it is `eager`; the report says which and why.
+        ([OpenRLHF#528](https://github.com/OpenRLHF/OpenRLHF/issues/528)). sdpa has no soft-cap at all: transformers
+        5.21 and later refuse it for Gemma-2, and 5.3-5.20 accept it and drop the cap silently, so the target is
+        `eager` on every supported release.
 
     Opt out:
         `safety_disable_rules=["attention.gemma2_no_flash"]`.
@@ -51,7 +52,7 @@ class Gemma2NoFlash(Rule):
 
     id = "attention.gemma2_no_flash"
     summary = (
-        "Models with soft-capped attention logits (Gemma-2) train with eager (or sdpa where supported), not flash "
+        "Models with soft-capped attention logits (Gemma-2) train with eager, not sdpa or flash "
         "(flash-attn >= 2.6.3 soft-caps and is kept)."
     )
     rationale = "https://github.com/OpenRLHF/OpenRLHF/issues/528"
@@ -61,7 +62,7 @@ class Gemma2NoFlash(Rule):
         softcap = getattr(text_config, "attn_logit_softcapping", None) if text_config is not None else None
         if softcap is None:
             return None
-        target = softcap_safe_implementation(setup.model_class)
+        target = SOFTCAP_SAFE
         flash_ok = getattr(setup.hardware, "flash_attn_version", None)
 
         def unsafe(impl: object) -> bool:
@@ -90,14 +91,9 @@ class Gemma2NoFlash(Rule):
             if is_flash(requested)
             else "sdpa cannot soft-cap"
         )
-        why_target = (
-            "the installed transformers accepts sdpa for this model"
-            if target == "sdpa"
-            else "the installed transformers refuses sdpa for this model"
-        )
         return self.fixed(
             f"`attn_implementation={requested!r}` replaced by `{target!r}`: the model soft-caps attention logits "
-            f"(`attn_logit_softcapping={softcap}`) and {reason}; `{target}` since {why_target}.",
+            f"(`attn_logit_softcapping={softcap}`) and {reason}; `{target}` applies the soft-cap.",
             *changes,
         )
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import DatasetDict
 from safetensors.torch import load_file
 
 from safe_trainers.kinds import KINDS, TRAINER_KINDS
@@ -174,7 +173,10 @@ def script_runs(tmp_path_factory) -> dict[tuple[str, str], ScriptRun]:
         if not model.exists():
             save_toy_model(str(model), task=row.model_task)
         data = root / f"data-{kind}"
-        DatasetDict({"train": dataset_for(kind, 16)}).save_to_disk(str(data))  # a local dataset folder
+        # a local folder of data files, which `load_dataset` reads in every supported `datasets` release (4.x infers
+        # the JSON builder from a `save_to_disk` folder's metadata files and cannot read it)
+        data.mkdir()
+        dataset_for(kind, 16).to_parquet(str(data / "train.parquet"))
         source = (TRL_SCRIPTS / f"{kind}.py").read_text()
         rewritten, _ = rewrite_trl_imports(source, public)
         for variant, text in (("safe", rewritten), ("trl", source)):

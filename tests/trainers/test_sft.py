@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from safe_trainers import SafetyError
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.toy import dataset_for
-from trainer_utils import actions, snapshot, train_losses  # tests/ is on sys.path, as for conftest
+from trainer_utils import actions, check_gemma2_sdpa_without_the_rule, snapshot, train_losses  # tests/ on sys.path
 
 
 LONG_PROMPT = " ".join(["one two three four five six seven eight nine ten"] * 4)  # > 16 tokens
@@ -43,16 +43,8 @@ def test_gemma2_sdpa_becomes_eager_and_trains(toy_models, tmp_path):
     assert all(math.isfinite(loss) for loss in train_losses(trainer))
 
 
-def test_gemma2_sdpa_fails_without_the_rule(toy_models, tmp_path):
-    # the control: transformers refuses sdpa for Gemma-2
-    with pytest.raises(ValueError, match="does not support an attention implementation"):
-        build_trainer(
-            "sft",
-            toy_models["gemma2"],
-            tmp_path,
-            model_init_kwargs={"attn_implementation": "sdpa"},
-            safety_disable_rules=["attention.gemma2_no_flash"],
-        )
+def test_gemma2_sdpa_without_the_rule(toy_models, tmp_path):
+    check_gemma2_sdpa_without_the_rule("sft", toy_models["gemma2"], tmp_path)
 
 
 def _fp16_lora_model(path):
@@ -124,7 +116,8 @@ def test_empty_texts_dropped_and_counted(toy_models, tmp_path):
 
 
 def test_empty_texts_train_on_nothing_without_the_rule(toy_models, tmp_path):
-    # the control (trl#6668): TRL trains on them and logs a loss of 0.0, the weights do not move
+    # the control (trl#6668): TRL trains on them and logs a loss of 0.0 (NaN, 0 / 0 tokens, with TRL 1.14 on recent
+    # transformers releases), the weights do not move
     trainer = build_trainer(
         "sft",
         toy_models["qwen2"],
@@ -134,7 +127,8 @@ def test_empty_texts_train_on_nothing_without_the_rule(toy_models, tmp_path):
     )
     assert len(trainer.train_dataset) == 4
     before = snapshot(trainer.model)
-    assert train_losses(trainer) == [0.0, 0.0]
+    losses = train_losses(trainer)
+    assert len(losses) == 2 and all(loss == 0.0 or math.isnan(loss) for loss in losses)
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
 
 
