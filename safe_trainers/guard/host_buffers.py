@@ -160,7 +160,7 @@ class HostArena:
         self.pin = tensor.is_cuda
         start = self.used.get(dtype, 0)
         self.demand[dtype] = self.demand.get(dtype, 0) + n
-        if start + n <= self.capacity.get(dtype, 0):
+        if dtype in self.capacity and start + n <= self.capacity[dtype]:  # an empty tensor of a new dtype: no buffer
             self.used[dtype] = start + n
             view = self.main.buffers[dtype][start : start + n].view(tensor.shape)
         else:

@@ -126,6 +126,21 @@ def test_the_arena_grows_to_the_largest_window_then_holds_one_exact_buffer_per_d
     assert arena.capacity[torch.int64] == 12 and arena.nbytes() == 12 * 8 + 3 * 4
 
 
+def test_an_empty_tensor_of_a_dtype_the_arena_has_not_seen_is_copied():
+    # A micro-batch may hold an empty tensor (no rows of some input) of a dtype no earlier copy had: it fits in a
+    # buffer of 0 elements, and the arena still grows to one exact buffer per dtype.
+    arena = HostArena()
+    empty = arena.copy(torch.empty(0, 3))
+    assert empty.shape == (0, 3) and empty.dtype == torch.float32
+    arena.copy(torch.arange(4))
+    arena.reset()
+    window = [torch.empty(0, 3), torch.empty(2, 0, dtype=torch.int8), torch.arange(4)]
+    again = [arena.copy(t) for t in window]
+    assert [tuple(c.shape) for c in again] == [(0, 3), (2, 0), (4,)] and torch.equal(again[2], torch.arange(4))
+    arena.reset()
+    assert arena.capacity == {torch.float32: 0, torch.int64: 4, torch.int8: 0} and arena.nbytes() == 4 * 8
+
+
 @pytest.fixture
 def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
