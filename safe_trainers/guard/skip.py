@@ -63,8 +63,14 @@ def fold_into_scaler(optimizer: Any, fault: torch.Tensor, scaler: Any) -> None:
     flag = fault.detach().to(torch.float32)
     if not record:
         record[flag.device] = torch.zeros((), dtype=torch.float32, device=flag.device)
-    for device, found in record.items():  # stays 0 or 1: fused kernels skip on exactly 1 and subtract it from steps
-        torch.maximum(found, flag.to(device, non_blocking=True), out=found)
+    # A fused optimizer gets the sum of the devices' records and skips on exactly 1 (and subtracts it from its step
+    # counts): the fault goes into one record only, and only when no other device has recorded an overflow already.
+    first, *others = record.values()
+    flag = flag.to(first.device, non_blocking=True)
+    if others:
+        seen = torch.stack([found.to(first.device, non_blocking=True) for found in others]).amax() > 0
+        flag = flag * ~seen
+    torch.maximum(first, flag, out=first)
 
 
 def set_found_inf(optimizer: Any, fault: torch.Tensor, scaler: Any = None) -> None:

@@ -130,6 +130,27 @@ def test_a_step_whose_gradients_were_not_unscaled_yet_is_checked_first():
     assert same(run.state(), before)
 
 
+@pytest.mark.parametrize("overflow_elsewhere", [False, True])
+def test_a_fault_is_folded_into_one_devices_record_of_a_model_on_two_devices(overflow_elsewhere):
+    # A model split over two devices in one process (`device_map`): the scaler keeps a record per device and hands a
+    # fused optimizer their sum, which skips only on exactly 1. The guard's fault must not make that sum 2. (Two CPU
+    # device names stand for two GPUs: the records are keyed by device.)
+    run = ScaledRun(fused=True)
+    run.train_step()
+    before = run.state()
+    loss = run.model(run.inputs).square().mean() + torch.tensor(float("nan"))  # finite gradients, a NaN loss
+    run.scaler.scale(loss).backward()
+    run.flags.observe_loss(loss)
+    run.scaler.unscale_(run.optimizer)
+    record = run.scaler._found_inf_per_device(run.optimizer)
+    record[torch.device("cpu", 0)] = torch.tensor(float(overflow_elsewhere))  # the second device's own check
+    run.flags.end_step(2, torch.tensor(1.0), "cpu")
+    run.flags.skip_update(run.wrapped, run.scaler)
+    run.wrapped.step()
+    run.flags.after_update(run.wrapped)
+    assert same(run.state(), before)
+
+
 @pytest.mark.parametrize(
     "fused,scaler,route",
     [
