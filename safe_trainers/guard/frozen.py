@@ -5,7 +5,9 @@ If one is ever found non-finite (written by a callback, a faulty kernel or devic
 it came from: the newest verified checkpoint of this run that holds it, else the model's own files. A file's tensor
 is used only if it equals every value of the damaged parameter that is still finite, and at least half of them are:
 weights changed in memory after loading (a merged adapter, resized embeddings) are never replaced by different values
-from disk. What cannot be restored that way stops the run with a [`TrainingDivergedError`] naming it.
+from disk. What cannot be restored that way stops the run with a [`TrainingDivergedError`] naming it. A restore
+from the host snapshot checks every parameter the snapshot does not hold, so one unfrozen after it was taken is
+checked (and repaired or named) too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 
@@ -41,22 +43,32 @@ def source_matches(equal_finite: int, finite: int, numel: int) -> bool:
     return equal_finite == finite and 2 * finite >= numel
 
 
-def damaged_frozen(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The frozen parameters of `model` holding NaN or Inf (one host read when none does)."""
-    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+def damaged_frozen(model: torch.nn.Module, held: Container[str] | None = None) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters of `model` a restore did not put back holding NaN or Inf (one host read when none does).
+
+    `held`: the names of the parameters the restore put back (a snapshot's); every other one is checked, including
+    one frozen when the snapshot was taken and trainable since (gradual unfreezing). `None`: the frozen ones.
+    """
+    frozen = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if (not p.requires_grad if held is None else name not in held)
+    ]
     if not frozen or bool(all_finite(p for _, p in frozen)):
         return []
     return [(name, p) for name, p in frozen if not bool(all_finite([p]))]
 
 
-def repair_frozen(model: torch.nn.Module, checkpoints: Iterable[str], step: int) -> list[str]:
-    """Restore every damaged frozen parameter of `model` from the newest of `checkpoints` that holds a matching
-    tensor, else from the model's files; return the names restored.
+def repair_frozen(
+    model: torch.nn.Module, checkpoints: Iterable[str], step: int, held: Container[str] | None = None
+) -> list[str]:
+    """Restore every damaged frozen parameter of `model` (every one not in `held`, see [`damaged_frozen`]) from the
+    newest of `checkpoints` that holds a matching tensor, else from the model's files; return the names restored.
 
     Raises:
         [`TrainingDivergedError`]: some damaged frozen parameter has no matching source.
     """
-    damaged = damaged_frozen(model)
+    damaged = damaged_frozen(model, held)
     if not damaged:
         return []
     model_dir = model_files(model)
@@ -74,7 +86,8 @@ def repair_frozen(model: torch.nn.Module, checkpoints: Iterable[str], step: int)
         where = f"the model's files ({model_dir})" if model_dir else "the model's files (no local copy found)"
         raise TrainingDivergedError(
             f"Training stopped at step {step}: the frozen parameter(s) {names} hold NaN or Inf. The NaN guard does "
-            "not copy frozen parameters (the optimizer never changes them), and neither the verified checkpoints of "
+            "not copy frozen parameters (the optimizer never changes them; a parameter unfrozen since the last "
+            "snapshot was frozen when it was taken), and neither the verified checkpoints of "
             f"this run nor {where} hold a tensor that matches their remaining finite values. Something outside "
             "training wrote to them (a callback, a faulty device): reload the model and resume from the newest "
             "checkpoint (`trainer.train(resume_from_checkpoint=...)`)."

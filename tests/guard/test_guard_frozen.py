@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard import read_events
@@ -104,3 +104,45 @@ def test_too_little_left_to_verify_a_source_stops_the_run(toy_models, tmp_path, 
     with pytest.raises(TrainingDivergedError, match=f"`{name}`") as error:
         repair_frozen(model, [], step=3)
     assert "Training stopped at step 3" in str(error.value) and toy_models["qwen2"] in str(error.value)
+
+
+class _UnfreezeAt(TrainerCallback):
+    """Gradual unfreezing: at the start of step `step`, `param` (already in the optimizer) becomes trainable."""
+
+    def __init__(self, param: torch.nn.Parameter, step: int):
+        self.param, self.step = param, step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            self.param.requires_grad_(True)
+
+
+@pytest.mark.parametrize("rollback_from", ["memory", "checkpoint"])
+def test_a_parameter_unfrozen_after_the_last_snapshot_is_checked_after_a_restore(toy_models, tmp_path, rollback_from):
+    # The snapshot of step 4 does not hold the weight (frozen then); unfrozen and trained at step 5, it is damaged at
+    # step 6. From memory the restore cannot put it back and its trained values are no longer the files': the run
+    # stops there naming it (it went on from a "restored" state still holding NaN, and its abort could not save).
+    # From disk, checkpoint-4 holds every weight of this full model: the restore puts it back and training goes on.
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
+    _freeze_all_but_the_head(model)
+    weight = first_frozen_matrix(model)
+    name = next(n for n, p in model.named_parameters() if p is weight)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # every parameter: the frozen ones get no gradient
+    trainer = build_trainer(
+        "sft", model, tmp_path, preset="guarded", faults=[Fault(6, "frozen")], nan_rollback_from=rollback_from,
+        trainer_kwargs={"optimizers": (optimizer, None)},
+    )  # fmt: skip
+    trainer.add_callback(_UnfreezeAt(weight, step=5))
+    if rollback_from == "memory":
+        with pytest.raises(TrainingDivergedError, match=f"`{name}`") as error:
+            trainer.train()
+        message = str(error.value)
+        assert "Training stopped at step 6" in message and "unfrozen since the last snapshot" in message
+        assert name not in trainer.nan_guard.snapshotter.snapshot.params
+    else:
+        trainer.train()
+        events = read_events(str(tmp_path))
+        assert [(e["step"], e["kind"]) for e in events] == [(6, "skip"), (6, "rollback")]
+        assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+        assert trainer.state.global_step == 10
+    assert trainer.fault_injector.injected == [(6, "frozen")] and weight.requires_grad
