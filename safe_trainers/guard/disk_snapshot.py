@@ -95,10 +95,13 @@ class CheckpointSnapshotter:
             deepspeed_load_checkpoint(trainer.model_wrapped, path, load_module_strict=strict)
         else:
             trainer._load_from_checkpoint(path, trainer.model_wrapped if trainer.is_fsdp_enabled else None)
+            if not (with_optimizer and trainer.is_fsdp_enabled):
+                # The live moments are dropped before the checkpoint's are loaded, not held alongside them (twice the
+                # optimizer state at once, on the GPU under DDP); without optimizer state in the checkpoint, fresh
+                # moments, as a run resumed from such a checkpoint has. FSDP2's loader reads the live state's layout.
+                self.optimizer.state.clear()
             if with_optimizer:
                 trainer._load_optimizer_and_scheduler(path)
-            else:
-                self.optimizer.state.clear()  # fresh moments, as a run resumed from such a checkpoint has
         if schedule is not None:
             trainer.lr_scheduler.load_state_dict(schedule)
         for group, live in zip(_groups(self.optimizer), live_groups):
