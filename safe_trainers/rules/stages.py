@@ -130,6 +130,9 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
         world_size=trainer.args.world_size,
         gpus_per_node=local_ranks(trainer.args.world_size),
         weight_bytes=trainable[0].element_size() if trainable else 4,
+        # One process or DDP keeps each trainable parameter in its own dtype, and AdamW's moments in that dtype too
+        # (the snapshot holds exactly those bytes); FSDP2 and ZeRO keep the fp32 figures.
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable) if strategy in ("single", "ddp") else None,
     )
     return {
         "snapshot_strategy": strategy,
