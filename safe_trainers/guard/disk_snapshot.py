@@ -58,6 +58,11 @@ class CheckpointSnapshotter:
         """The trainer published a verified checkpoint of this run."""
         self.good.append(path)
 
+    @property
+    def checkpoints(self) -> list[str]:
+        """The good checkpoints, oldest first: where a damaged frozen parameter may be restored from."""
+        return self.good
+
     def newest_good(self, at_most: int) -> str | None:
         """The newest good checkpoint at or before step `at_most` still on disk (rotation may have removed some)."""
         found = [p for p in self.good if os.path.isdir(p) and (checkpoint_step(p) or 0) <= at_most]
@@ -111,7 +116,7 @@ class CheckpointSnapshotter:
         for key in BEST_MODEL_FIELDS:
             setattr(state, key, saved.get(key))
         self.snapshot.step = checkpoint_step(path) or 0
-        repair_frozen(self.model, self.good, state.global_step)  # a PEFT checkpoint holds the adapters only
+        repair_frozen(self.model, self.checkpoints, state.global_step)  # a PEFT checkpoint holds the adapters only
         return self.snapshot
 
 
