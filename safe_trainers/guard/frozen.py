@@ -15,12 +15,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
 
 import torch
 
 from ..errors import TrainingDivergedError
-from .checkpoint import all_finite, flat_chunks
+from .checkpoint import CHUNK_BYTES, all_finite
 from .sharding import local
 
 logger = logging.getLogger("safe_trainers")
@@ -126,33 +126,50 @@ class SafetensorsIndex:
                 logger.warning(f"NaN guard: could not read {file}: {error}")
 
     def restore(self, name: str, param: torch.Tensor) -> bool:
-        """Copy the file's tensor for `name` into `param` if it matches (see the module docstring)."""
+        """Copy the file's tensor for `name` into `param` if it matches (see the module docstring), reading it in
+        pieces ([`file_pieces`]): neither the host nor the device ever holds a whole copy of it."""
         from safetensors import safe_open
 
-        target = local(param)
+        target = local(param).detach()
         for key in file_keys(name):
             if key not in self.files:
                 continue
             with safe_open(self.files[key], framework="pt") as f:
-                tensor = f.get_tensor(key)
-            if tuple(tensor.shape) != tuple(target.shape):
-                continue
-            tensor = torch.empty_like(target).copy_(tensor)  # split into the same pieces as `target`
-            if _matches(target.detach(), tensor):
-                with torch.no_grad():
-                    target.copy_(tensor)
-                return True
+                if tuple(f.get_slice(key).get_shape()) != tuple(target.shape):
+                    continue
+                if _matches(file_pieces(target, f, key)):
+                    with torch.no_grad():
+                        for live, piece in file_pieces(target, f, key):
+                            live.copy_(piece)
+                    return True
         return False
 
 
-def _matches(live: torch.Tensor, source: torch.Tensor) -> bool:
-    """[`source_matches`] over `live` and `source` (same shape, dtype and device), in bounded chunks."""
-    equal = finite = torch.zeros((), dtype=torch.int64, device=live.device)
-    for a, b in zip(flat_chunks(live), flat_chunks(source)):
+def file_pieces(target: torch.Tensor, f, key: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`target` and the tensor `key` of the open safetensors file `f` (same shape) in matching pieces of whole
+    leading rows (at least one), so that comparing a piece holds at most `CHUNK_BYTES`: a view of `target`, and the
+    file's rows read only then, on `target`'s device and in its dtype."""
+    if target.dim() == 0:
+        yield target, f.get_tensor(key).to(target.device, target.dtype)
+        return
+    source = f.get_slice(key)
+    # Up to 16 bytes an element are held while a piece is compared: the file's rows, their copy in `target`'s dtype
+    # and device, and the comparison's masks.
+    rows = max(CHUNK_BYTES // (16 * max(target[0].numel(), 1)), 1)
+    for start in range(0, target.shape[0], rows):
+        yield target[start : start + rows], source[start : start + rows].to(target.device, target.dtype)
+
+
+def _matches(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """[`source_matches`] over pairs of a live piece and the file's piece (same shape, dtype and device)."""
+    counts, numel = None, 0  # [finite, equal to the file] on the device: one host read at the end
+    for a, b in pieces:
         ok = torch.isfinite(a)
-        finite = finite + ok.sum()
-        equal = equal + (ok & (a == b)).sum()
-    return source_matches(int(equal), int(finite), live.numel())
+        piece = torch.stack([torch.count_nonzero(ok), torch.count_nonzero(ok & (a == b))])  # no int64 copy
+        counts = piece if counts is None else counts + piece
+        numel += a.numel()
+    finite, equal = counts.tolist() if counts is not None else (0, 0)
+    return source_matches(equal, finite, numel)
 
 
 __all__ = ["damaged_frozen", "file_keys", "model_files", "repair_frozen", "source_matches"]

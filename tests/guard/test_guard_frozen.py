@@ -3,6 +3,10 @@ restored from their files only where the files hold them, or the run stops namin
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -11,6 +15,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard import read_events
+from safe_trainers.guard.checkpoint import CHUNK_BYTES
 from safe_trainers.guard.frozen import file_keys, repair_frozen, source_matches
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault, first_frozen_matrix
@@ -146,3 +151,46 @@ def test_a_parameter_unfrozen_after_the_last_snapshot_is_checked_after_a_restore
         assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
         assert trainer.state.global_step == 10
     assert trainer.fault_injector.injected == [(6, "frozen")] and weight.requires_grad
+
+
+PEAK_REPAIR = """
+import json, os, sys, tempfile, threading, time, torch
+from safetensors.torch import save_file
+from safe_trainers.guard.frozen import SafetensorsIndex
+torch.set_num_threads(1)
+
+def anon():  # the process's anonymous memory now (the file's pages, read through a mapping, are not counted)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon"))
+
+folder = tempfile.mkdtemp()
+weight = torch.empty(2**13, 2**14, dtype=torch.bfloat16).uniform_(-1, 1)  # 256 MiB
+save_file({"w": weight}, os.path.join(folder, "model.safetensors"))
+param = torch.nn.Parameter(weight, requires_grad=False)
+expected = weight[-1, -4:].clone()
+with torch.no_grad():
+    param[-1, -4:] = float("nan")
+index, base, peak, done = SafetensorsIndex(folder), anon(), [0], threading.Event()
+
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon() - base)
+        time.sleep(0.0005)
+
+watcher = threading.Thread(target=watch)
+watcher.start()
+restored = index.restore("w", param)
+done.set()
+watcher.join()
+print(json.dumps({"restored": restored and torch.equal(param[-1, -4:], expected), "extra": peak[0]}))
+"""
+
+
+def test_a_repair_reads_the_file_in_pieces_and_holds_no_whole_copy():
+    # A fresh process watching its anonymous memory: the repair before this one loaded the file's whole tensor and
+    # made a second copy of it on the parameter's device (2x a 256 MiB weight here; on a GPU, device memory).
+    done = subprocess.run([sys.executable, "-c", PEAK_REPAIR], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["restored"]
+    assert result["extra"] <= CHUNK_BYTES + 16 * 2**20, result
