@@ -58,6 +58,11 @@ class CheckpointSnapshotter:
         """The trainer published a verified checkpoint of this run."""
         self.good.append(path)
 
+    @property
+    def checkpoints(self) -> list[str]:
+        """The good checkpoints, oldest first: where a damaged frozen parameter may be restored from."""
+        return self.good
+
     def newest_good(self, at_most: int) -> str | None:
         """The newest good checkpoint at or before step `at_most` still on disk (rotation may have removed some)."""
         found = [p for p in self.good if os.path.isdir(p) and (checkpoint_step(p) or 0) <= at_most]
@@ -95,10 +100,13 @@ class CheckpointSnapshotter:
             deepspeed_load_checkpoint(trainer.model_wrapped, path, load_module_strict=strict)
         else:
             trainer._load_from_checkpoint(path, trainer.model_wrapped if trainer.is_fsdp_enabled else None)
+            if not (with_optimizer and trainer.is_fsdp_enabled):
+                # The live moments are dropped before the checkpoint's are loaded, not held alongside them (twice the
+                # optimizer state at once, on the GPU under DDP); without optimizer state in the checkpoint, fresh
+                # moments, as a run resumed from such a checkpoint has. FSDP2's loader reads the live state's layout.
+                self.optimizer.state.clear()
             if with_optimizer:
                 trainer._load_optimizer_and_scheduler(path)
-            else:
-                self.optimizer.state.clear()  # fresh moments, as a run resumed from such a checkpoint has
         if schedule is not None:
             trainer.lr_scheduler.load_state_dict(schedule)
         for group, live in zip(_groups(self.optimizer), live_groups):
@@ -108,7 +116,7 @@ class CheckpointSnapshotter:
         for key in BEST_MODEL_FIELDS:
             setattr(state, key, saved.get(key))
         self.snapshot.step = checkpoint_step(path) or 0
-        repair_frozen(self.model, self.good, state.global_step)  # a PEFT checkpoint holds the adapters only
+        repair_frozen(self.model, self.checkpoints, state.global_step)  # a PEFT checkpoint holds the adapters only
         return self.snapshot
 
 

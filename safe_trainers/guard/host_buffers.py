@@ -122,9 +122,26 @@ def _register(buffer: torch.Tensor) -> bool:
     try:
         cudart = torch.cuda.cudart()
         result = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
-        return result == cudart.cudaError.success
     except (RuntimeError, AttributeError, AssertionError):
         return False
+    if result != cudart.cudaError.success:
+        _consume_cuda_error()
+        return False
+    return True
+
+
+def _consume_cuda_error() -> None:
+    """Clear the error a refused `cudaHostRegister` leaves in the CUDA runtime's last-error slot.
+
+    torch checks that slot after its next kernel launch and raises what it finds there, so the refusal would surface
+    as a "CUDA error" in an unrelated operation of the training step, not as the pageable fallback intended. torch
+    exposes no `cudaGetLastError`: one tiny kernel launch reads the slot, which resets it, and what it raises is the
+    refusal already reported.
+    """
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
 
 
 def _unregister(buffers: list[torch.Tensor]) -> None:

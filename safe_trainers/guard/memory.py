@@ -10,7 +10,9 @@ A snapshot ([`Snapshotter`]) holds, in host memory (pinned on GPU machines), wha
 
 DDP keeps all of it whole on every rank; ZeRO and FSDP2 shard it over the data-parallel ranks, each rank copying
 only its own shard. The tensors live in one buffer per dtype, sized exactly (`host_buffers.py`), so these are the
-bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out.
+bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out. Built from a trainer
+(`rules/stages.py::snapshot_facts`), one process and DDP count each trainable parameter in its own dtype
+(`RunShape.trainable_bytes`: a bf16 full fine-tune holds 6 bytes a parameter, not 10).
 
 Example:
     ```python
@@ -69,6 +71,10 @@ class RunShape:
         weight_bytes (`int`): bytes per trainable parameter as the model stores it (4: fp32, as TRL loads a model by
             default and as FSDP2 keeps trainable parameters under mixed precision).
         moment_bytes (`int`): bytes per element of each of AdamW's two moments (4: fp32).
+        trainable_bytes (`int | None`): the trainable parameters' bytes as the model holds them, each in its own
+            dtype (a bf16 model, fp32 LoRA adapters next to a bf16 head). When given, the weights are these bytes and
+            so is each of AdamW's two moments, which torch keeps in its parameter's dtype; `weight_bytes` and
+            `moment_bytes` are then unused but under ZeRO (fp32 master and moments whatever the model's dtype).
     """
 
     name: str
@@ -79,6 +85,7 @@ class RunShape:
     gpus_per_node: int = 8
     weight_bytes: int = 4
     moment_bytes: int = 4
+    trainable_bytes: int | None = None
 
     @property
     def frozen(self) -> int:
@@ -90,6 +97,9 @@ def per_rank_bytes(run: RunShape) -> int:
     if run.strategy not in LAYOUTS:
         raise ValueError(f"Unknown `strategy={run.strategy!r}`; choose one of {list(LAYOUTS)}.")
     layout = LAYOUTS[run.strategy]
+    if run.trainable_bytes is not None and not layout.fp32_master:
+        total = 3 * run.trainable_bytes  # the weights and AdamW's two moments, each in its parameter's dtype
+        return math.ceil(total / run.world_size) if layout.sharded else total
     total = 2 * run.moment_bytes * run.trainable
     if layout.model_weights:
         total += run.weight_bytes * run.trainable

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from ..errors import TrainingDivergedError
 from .events import EventLog, NanEvent
+from .frozen import repair_frozen
 from .policy import StepRecord, Verdict
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
@@ -112,12 +113,16 @@ def record_rollback(
 def restore_at_end(trainer: Any, snapshotter: Snapshotter, events: EventLog, damaged_ranks: list[int]) -> Restored:
     """When training has ended with a state damaged after the guard's last check (a callback later in the list, at
     the last `on_step_end` or at `on_train_end`): put back the last good state, so that `save_model()` writes a finite
-    model. The best checkpoint when `load_best_model_at_end` loaded one (it is what the run ends with), else the
-    last snapshot. No backoff and no counter: training is over. Records a `restore` event."""
+    model. The best checkpoint when `load_best_model_at_end` loaded one (it is what the run ends with; a damaged
+    parameter it does not hold, a LoRA base, is repaired from its files or stops the run), else the last snapshot.
+    No backoff and no counter: training is over. Records a `restore` event."""
     step = trainer.state.global_step
     best = trainer.state.best_model_checkpoint
     if trainer.args.load_best_model_at_end and best and os.path.isdir(best):
         trainer._load_best_model()
+        # A PEFT checkpoint holds the adapters only: any parameter still damaged (a frozen base) is repaired from its
+        # files or named, as after any restore.
+        repair_frozen(trainer.model, snapshotter.checkpoints, step, held=())
         restored = Restored(trainer.state.best_global_step, step, source=best)
     else:
         restored = Restored(snapshotter.restore(trainer.state).step, step)

@@ -124,8 +124,8 @@ class Snapshotter:
         """Put the last snapshot back into the model, the optimizer state and the best-model bookkeeping.
 
         The optimizer's hyperparameters (learning rate, betas, ...) stay as they are now: the LR follows the schedule
-        position, which a rollback does not rewind. A frozen parameter found non-finite is restored from its files,
-        or the run stops ([`repair_frozen`]).
+        position, which a rollback does not rewind. A parameter the snapshot does not hold (frozen when it was taken)
+        found non-finite is restored from its files, or the run stops ([`repair_frozen`]).
         """
         snap = self.snapshot
         if not snap.taken:
@@ -145,7 +145,7 @@ class Snapshotter:
             group.update(live)  # DeepSpeed's `load_state_dict` brings the snapshot's hyperparameters back
         for key, value in snap.counters.items():
             setattr(state, key, value)
-        repair_frozen(self.model, self.checkpoints, state.global_step)
+        repair_frozen(self.model, self.checkpoints, state.global_step, held=snap.params)
         return snap
 
 

@@ -114,6 +114,7 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
 
     params = list(trainer.model.parameters())
     trainable = [p for p in params if p.requires_grad]
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     if trainer.is_deepspeed_enabled:
         strategy = f"zero{trainer.accelerator.state.deepspeed_plugin.zero_stage}"
     elif trainer.is_fsdp_enabled:
@@ -130,6 +131,9 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
         world_size=trainer.args.world_size,
         gpus_per_node=local_ranks(trainer.args.world_size),
         weight_bytes=trainable[0].element_size() if trainable else 4,
+        # One process or DDP keeps each trainable parameter in its own dtype, and AdamW's moments in that dtype too
+        # (the snapshot holds exactly those bytes); FSDP2 and ZeRO keep the fp32 figures.
+        trainable_bytes=trainable_bytes if strategy in ("single", "ddp") else None,
     )
     return {
         "snapshot_strategy": strategy,

@@ -14,7 +14,7 @@ import torch
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard.checkpoint import all_finite
-from safe_trainers.guard.host_buffers import HostArena, HostBuffers, copy_to_host
+from safe_trainers.guard.host_buffers import HostArena, HostBuffers, _register, _unregister, copy_to_host
 from safe_trainers.guard.snapshot import Snapshotter
 
 
@@ -70,3 +70,16 @@ def test_fused_adamw_state_is_restored_on_the_device_even_into_an_empty_state():
         model[1].weight.view(-1)[0] = float("nan")
     with pytest.raises(TrainingDivergedError, match="`1.weight`"):
         snapshotter.restore(state)
+
+
+def test_a_refused_page_lock_leaves_no_cuda_error_behind():
+    # A refused `cudaHostRegister` (here: the range is registered already; in production a locked-memory limit)
+    # leaves its error in the runtime's last-error slot, and torch raised it at its next kernel launch, in an
+    # unrelated operation: the pageable fallback crashed the run instead. Not run on a GPU yet (written without one).
+    buffer = torch.empty(1024)
+    assert _register(buffer)
+    try:
+        assert not _register(buffer)
+        assert torch.equal(torch.ones(4, device="cuda") * 2, torch.full((4,), 2.0, device="cuda"))
+    finally:
+        _unregister([buffer])

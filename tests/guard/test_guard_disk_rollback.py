@@ -167,3 +167,28 @@ def test_no_good_state_left_on_disk_stops_the_run_with_a_message(toy_models, tmp
         trainer.train()
     (abort,) = [e for e in read_events(str(tmp_path)) if e["kind"] == "abort"]
     assert (abort["step"], abort["reason"]) == (6, "no_good_state")
+
+
+def test_the_damaged_optimizer_state_is_dropped_before_the_checkpoints_is_loaded(toy_models, tmp_path):
+    # A rollback from disk must not hold the live (damaged) moments next to the loaded ones: that was twice the
+    # optimizer state at once (16 bytes per trainable parameter for AdamW in fp32, on the GPU under DDP), a peak a
+    # resumed run never has. Measured where the loaded state meets the optimizer: its `load_state_dict` pre-hook.
+    trainer = from_disk("dpo", toy_models, tmp_path, [Fault(step=7, kind="weight")])
+    held_at_load: list[int] = []
+
+    class _Watch(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            inner = getattr(optimizer, "optimizer", optimizer)
+
+            def pre_hook(opt, state_dict):
+                tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+                held_at_load.append(sum(t.numel() * t.element_size() for t in tensors))
+
+            inner.register_load_state_dict_pre_hook(pre_hook)
+
+    trainer.add_callback(_Watch())
+    trainer.train()
+    assert [e["restored_step"] for e in read_events(str(tmp_path)) if e["kind"] == "rollback"] == [4]
+    assert held_at_load == [0]
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert optimizer.state and weights_finite(trainer)

@@ -9,11 +9,13 @@ import os
 import pytest
 import torch
 from guard_utils import checkpoint_steps, nonfinite_in_checkpoints, weights_finite
+from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
 from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import first_frozen_matrix
 
 
 class DamageAfterTheGuard(TrainerCallback):
@@ -107,4 +109,29 @@ def test_with_load_best_model_at_end_the_best_checkpoint_is_put_back(toy_models,
     saved = load_file(os.path.join(best, "model.safetensors"))
     live = dict(trainer.model.named_parameters())
     assert all(torch.equal(saved[name], live[name].detach()) for name in saved if name in live)
+    assert weights_finite(trainer)
+
+
+class DamageFrozenAtTheEnd(TrainerCallback):
+    """Writes NaN into one frozen weight (a LoRA base layer) at `on_train_end`, after the guard's last check."""
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            first_frozen_matrix(model).view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("load_best", [False, True], ids=["snapshot", "best_checkpoint"])
+def test_a_frozen_base_damaged_at_the_end_is_repaired_whatever_is_put_back(toy_models, tmp_path, load_best):
+    # A LoRA run's best checkpoint holds the adapters only: loading it put the adapters back and left the damaged
+    # base as it was, so `train()` returned NaN weights (and the `restore` event said the state was restored).
+    best = {"eval_rows": 4, "eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True}
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=4, save_steps=2,
+        trainer_kwargs={"peft_config": LoraConfig(target_modules=["q_proj", "v_proj"], r=4)},
+        **(best if load_best else {}),
+    )  # fmt: skip
+    trainer.add_callback(DamageFrozenAtTheEnd())
+    trainer.train()
+    (event,) = [e for e in read_events(str(tmp_path)) if e["kind"] == "restore"]
+    assert event["restored_from"] == (trainer.state.best_model_checkpoint if load_best else "snapshot")
     assert weights_finite(trainer)

@@ -3,14 +3,19 @@ restored from their files only where the files hold them, or the run stops namin
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard import read_events
+from safe_trainers.guard.checkpoint import CHUNK_BYTES
 from safe_trainers.guard.frozen import file_keys, repair_frozen, source_matches
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault, first_frozen_matrix
@@ -104,3 +109,88 @@ def test_too_little_left_to_verify_a_source_stops_the_run(toy_models, tmp_path, 
     with pytest.raises(TrainingDivergedError, match=f"`{name}`") as error:
         repair_frozen(model, [], step=3)
     assert "Training stopped at step 3" in str(error.value) and toy_models["qwen2"] in str(error.value)
+
+
+class _UnfreezeAt(TrainerCallback):
+    """Gradual unfreezing: at the start of step `step`, `param` (already in the optimizer) becomes trainable."""
+
+    def __init__(self, param: torch.nn.Parameter, step: int):
+        self.param, self.step = param, step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            self.param.requires_grad_(True)
+
+
+@pytest.mark.parametrize("rollback_from", ["memory", "checkpoint"])
+def test_a_parameter_unfrozen_after_the_last_snapshot_is_checked_after_a_restore(toy_models, tmp_path, rollback_from):
+    # The snapshot of step 4 does not hold the weight (frozen then); unfrozen and trained at step 5, it is damaged at
+    # step 6. From memory the restore cannot put it back and its trained values are no longer the files': the run
+    # stops there naming it (it went on from a "restored" state still holding NaN, and its abort could not save).
+    # From disk, checkpoint-4 holds every weight of this full model: the restore puts it back and training goes on.
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
+    _freeze_all_but_the_head(model)
+    weight = first_frozen_matrix(model)
+    name = next(n for n, p in model.named_parameters() if p is weight)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # every parameter: the frozen ones get no gradient
+    trainer = build_trainer(
+        "sft", model, tmp_path, preset="guarded", faults=[Fault(6, "frozen")], nan_rollback_from=rollback_from,
+        trainer_kwargs={"optimizers": (optimizer, None)},
+    )  # fmt: skip
+    trainer.add_callback(_UnfreezeAt(weight, step=5))
+    if rollback_from == "memory":
+        with pytest.raises(TrainingDivergedError, match=f"`{name}`") as error:
+            trainer.train()
+        message = str(error.value)
+        assert "Training stopped at step 6" in message and "unfrozen since the last snapshot" in message
+        assert name not in trainer.nan_guard.snapshotter.snapshot.params
+    else:
+        trainer.train()
+        events = read_events(str(tmp_path))
+        assert [(e["step"], e["kind"]) for e in events] == [(6, "skip"), (6, "rollback")]
+        assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+        assert trainer.state.global_step == 10
+    assert trainer.fault_injector.injected == [(6, "frozen")] and weight.requires_grad
+
+
+PEAK_REPAIR = """
+import json, os, sys, tempfile, threading, time, torch
+from safetensors.torch import save_file
+from safe_trainers.guard.frozen import SafetensorsIndex
+torch.set_num_threads(1)
+
+def anon():  # the process's anonymous memory now (the file's pages, read through a mapping, are not counted)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon"))
+
+folder = tempfile.mkdtemp()
+weight = torch.empty(2**13, 2**14, dtype=torch.bfloat16).uniform_(-1, 1)  # 256 MiB
+save_file({"w": weight}, os.path.join(folder, "model.safetensors"))
+param = torch.nn.Parameter(weight, requires_grad=False)
+expected = weight[-1, -4:].clone()
+with torch.no_grad():
+    param[-1, -4:] = float("nan")
+index, base, peak, done = SafetensorsIndex(folder), anon(), [0], threading.Event()
+
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon() - base)
+        time.sleep(0.0005)
+
+watcher = threading.Thread(target=watch)
+watcher.start()
+restored = index.restore("w", param)
+done.set()
+watcher.join()
+print(json.dumps({"restored": restored and torch.equal(param[-1, -4:], expected), "extra": peak[0]}))
+"""
+
+
+def test_a_repair_reads_the_file_in_pieces_and_holds_no_whole_copy():
+    # A fresh process watching its anonymous memory: the repair before this one loaded the file's whole tensor and
+    # made a second copy of it on the parameter's device (2x a 256 MiB weight here; on a GPU, device memory).
+    done = subprocess.run([sys.executable, "-c", PEAK_REPAIR], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["restored"]
+    assert result["extra"] <= CHUNK_BYTES + 16 * 2**20, result

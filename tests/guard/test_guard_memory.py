@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig
+from transformers import AutoModelForCausalLM
 
 from safe_trainers.guard.memory import RunShape, memory_table, per_node_bytes, per_rank_bytes
-
+from safe_trainers.rules.stages import snapshot_facts
 from safe_trainers.testing.build import build_trainer
-
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 B7, LORA7 = 7_000_000_000, 40_000_000
@@ -70,3 +70,23 @@ def test_estimate_matches_a_real_snapshot(lora, toy_models, tmp_path):
 @pytest.mark.parametrize("page", [DOCS / "guard.md", DOCS.parent / "README.md"], ids=["guard.md", "README"])
 def test_the_memory_table_in_the_docs_is_generated_and_fresh(page):
     assert memory_table() in page.read_text()
+
+
+LORA_WITH_HEAD = LoraConfig(target_modules=["q_proj", "v_proj"], r=4, modules_to_save=["lm_head"])
+
+
+@pytest.mark.parametrize("lora", [None, LORA_WITH_HEAD], ids=["full", "lora+head"])
+def test_what_the_rule_reads_is_what_a_bf16_snapshot_holds(lora, toy_models, tmp_path):
+    # The `memory.snapshot_fits` rule's figure, from the built trainer, against the bytes a real snapshot holds, for
+    # a model loaded in bf16: a full fine-tune keeps bf16 weights and bf16 AdamW moments (6 bytes a parameter, not
+    # the 10 of fp32 moments); LoRA keeps fp32 adapters (PEFT upcasts them) next to a bf16 copy of the head.
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"], dtype=torch.bfloat16)
+    peft = {"peft_config": lora} if lora is not None else {}
+    trainer = build_trainer("dpo", model, tmp_path, max_steps=1, bf16=True, trainer_kwargs=peft)
+    estimate = snapshot_facts(trainer)["snapshot_bytes_per_node"]
+    trainer.train()
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    if lora is not None:
+        assert {p.dtype for p in trainable} == {torch.float32, torch.bfloat16}  # a mixed layout
+    held = trainer.nan_guard.snapshotter.host.nbytes()
+    assert held - estimate == 4 * len(trainable)  # AdamW's step counters, left out of the estimate
