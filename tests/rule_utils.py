@@ -7,10 +7,10 @@ from datasets import Dataset
 
 from safe_trainers import SafetyArguments
 from safe_trainers.configs import config_class
-from safe_trainers.rules.stages import run_setup_rules
 from safe_trainers.kinds import get_kind
 from safe_trainers.rules import DEFAULT_RULES
-from safe_trainers.rules.context import Hardware, TrainerSetup, resolve_model_class
+from safe_trainers.rules.context import Hardware, TrainerSetup
+from safe_trainers.rules.stages import run_setup_rules
 from safe_trainers.testing.toy import model_config
 
 OUT = "safe-trainers-unused-output"  # configs are built, never trained: nothing is written here
@@ -61,7 +61,6 @@ def make_setup(kind="dpo", family="llama", *, hardware=CPU, model=None, args=Non
         args=args if args is not None else make_args(kind),
         model=model,
         model_config=config if isinstance(model, str) else model.config,
-        model_class=resolve_model_class(kind, model, config),
         hardware=hardware,
         **fields,
     )

@@ -14,11 +14,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..kinds import TRAINER_KINDS, get_kind  # noqa: F401 (`TRAINER_KINDS` re-exported)
 from .families import family_from_name
 from .hardware import Hardware
-
-from ..kinds import TRAINER_KINDS, get_kind  # noqa: F401 (`TRAINER_KINDS` re-exported)
-
 
 # Trainers whose construction-time rules read the tokenizer (pad token of reward models; vocabulary of online RL).
 TOKENIZER_KINDS = frozenset({"reward", "grpo", "rloo"})
@@ -37,8 +35,6 @@ class TrainerSetup:
             A path or hub id, or an instantiated model.
         model_config (`PretrainedConfig | None`):
             The model's config, read from `config.json` for a path (no weights are loaded); `None` if unreadable.
-        model_class (`type | None`):
-            The class transformers would instantiate for a path, or the instance's class.
         ref_model (`PreTrainedModel | None`):
             The reference model passed to DPO or KTO, if any.
         peft_config (`PeftConfig | None`):
@@ -64,7 +60,6 @@ class TrainerSetup:
     args: Any
     model: Any = None
     model_config: Any = None
-    model_class: type | None = None
     ref_model: Any = None
     peft_config: Any = None
     train_dataset: Any = None
@@ -176,22 +171,6 @@ def config_from_name(model: Any) -> tuple[Any, str | None]:
         return None, None
 
 
-def resolve_model_class(kind: str, model: Any, model_config: Any) -> type | None:
-    """The class a trainer of this kind instantiates for `model` (its own class for an instance)."""
-    if model is not None and not isinstance(model, str):
-        return type(model)
-    if model_config is None:
-        return None
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    seq_cls = get_kind(kind).model_task == "seq_cls"
-    auto = AutoModelForSequenceClassification if seq_cls else AutoModelForCausalLM
-    try:
-        return auto._model_mapping[type(model_config)]
-    except (KeyError, ValueError):
-        return None
-
-
 def read_tokenizer(model: Any, model_config: Any, trust_remote_code: bool = False, revision: str | None = None) -> Any:
     """The tokenizer TRL would load for `model` (from the path, or from an instance's `name_or_path`), or `None`."""
     name = model if isinstance(model, str) else getattr(model_config, "_name_or_path", None)
@@ -233,7 +212,6 @@ def build_setup(
         args=args,
         model=model,
         model_config=model_config,
-        model_class=resolve_model_class(kind, model, model_config),
         ref_model=ref_model,
         peft_config=peft_config,
         train_dataset=train_dataset,

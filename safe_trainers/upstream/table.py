@@ -97,15 +97,9 @@ TRANSFORMERS: tuple[T, ...] = (
     T("transformers:PretrainedConfig", "_attn_implementation", "attribute", "reads", "4.36.0",
       "rules/attention.py, cli/demo_run.py", "the attention kernel a model instance was loaded with",
       ("tests/rules/test_attention_rules.py::test_attention_rule_on_instances_and_ref_model",)),
-    T("transformers:PreTrainedModel", "_supports_sdpa", "variable", "reads", "4.36.0", "rules/attention.py",
-      "whether a model class can run sdpa (else `eager` replaces a refused kernel)",
-      ("tests/rules/test_attention_rules.py::test_attention_rule_prefers_sdpa_where_the_model_class_supports_it",)),
     T("transformers:PretrainedConfig", "_name_or_path", "attribute", "reads", "<=4.0", "rules/context.py",
       "the name (and tokenizer) of a model passed as an instance",
       ("tests/trainers/test_dropin.py::test_grpo_model_instance",)),
-    T("transformers:AutoModelForCausalLM", "_model_mapping", "variable", "reads", "4.1-4.10", "rules/context.py",
-      "the model class a config loads as (whether it supports sdpa), before any weight is loaded",
-      ("tests/rules/test_attention_rules.py::test_attention_rule_prefers_sdpa_where_the_model_class_supports_it",)),
 )
 
 GENERATION = "guard/generation.py"
