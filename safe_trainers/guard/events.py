@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 EventKind = Literal[
-    "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt", "spike"
+    "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt",
+    "spike",
 ]
 EVENTS_FILE = "nan_events.jsonl"
 

@@ -192,15 +192,13 @@ class NanGuard:
         if not self.flags.pending and not verify:
             return None
         records = self.flags.read()
+        deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
         if any(r.overflow for r in records):
-            deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
             records = unexplained_overflows(records, loss_scale(self.trainer, deepspeed))
         any_bad = any(r.bad for r in records)
         state_finite = self.state_verified() if (any_bad or verify) else True
-        deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
-        verdict = judge_window(
-            records, self._consecutive, self.settings.nan_max_consecutive_skips, deepspeed, state_finite
-        )
+        limit = self.settings.nan_max_consecutive_skips
+        verdict = judge_window(records, self._consecutive, limit, deepspeed, state_finite)
         self._consecutive = verdict.consecutive
         self.state.overflow_steps += record_overflows(self.events, verdict.overflows)
         self.state.spike_steps += record_spikes(self.events, verdict.spikes, skipped=not deepspeed)
@@ -245,8 +243,7 @@ class NanGuard:
 
     def save_state(self, checkpoint_dir: str) -> None:
         """Write the guard's state, the spike detector's window included, into a checkpoint (the saving rank)."""
-        if self.spikes is not None:
-            self.state.spike_window = self.spikes.history()
+        self.state.spike_window = self.spikes.history() if self.spikes is not None else None
         self.state.save(checkpoint_dir)
 
     # ------------------------------------------------------------------ actions

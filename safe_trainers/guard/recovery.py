@@ -81,7 +81,8 @@ def record_rollback(
     included; `damaged_ranks`: the ranks whose state was found non-finite)."""
     current, step, lr = restored.at_step, restored.step, restored.learning_rate
     bad = [r for r in records if r.bad]
-    what = sorted({w for r in bad for w in r.what}) or (["loss_spike"] if verdict.rollback == "loss_spike" or verdict.spikes else [])
+    spiked = verdict.rollback == "loss_spike" or verdict.spikes
+    what = sorted({w for r in bad for w in r.what}) or (["loss_spike"] if spiked else [])
     if verdict.rollback == "nonfinite_state":
         what = sorted(set(what) | {"weights_or_optimizer_state"})
     detail = {

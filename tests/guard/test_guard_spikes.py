@@ -212,3 +212,17 @@ def test_a_resumed_run_continues_the_window(toy_models, tmp_path, keep_window):
     spikes = [e["step"] for e in read_events(str(tmp_path)) if e["kind"] == "spike"]
     assert spikes == ([21] if keep_window else [])
     assert resumed.nan_guard.state.spike_steps == (1 if keep_window else 0)
+
+
+@pytest.mark.distributed
+def test_two_ranks_skip_a_spike_on_one_rank_alike(tmp_path):
+    # DDP on two CPU ranks: the loss of rank 1 alone is x100 at step 20; the agreed loss (the largest rank's) spikes
+    # on both ranks, so both skip the update and end with the same weights.
+    from test_guard_distributed import accelerate_ddp, check_in_sync, launch
+
+    args = ["--max_steps", "22", "--save_steps", "100", "--spike_factor", "6", "--learning_rate", "1e-5"]
+    results = launch(accelerate_ddp(), "dpo", ["loss_scale:20:1:100"], tmp_path, *args)
+    events = check_in_sync(results, 0, 0, tmp_path / "out")
+    assert [(e["step"], e["kind"]) for e in events] == [(20, "spike")]
+    assert [r["spikes"] for r in results] == [1, 1] and [20, "loss_scale"] in results[1]["injected"]
+    assert all(r["global_step"] == 22 for r in results)
