@@ -134,6 +134,24 @@ def test_spiking_steps_count_as_skips_and_roll_back_in_a_row():
     assert (verdict.rollback, verdict.fault_step, verdict.consecutive) == ("loss_spike", 2, 0)
 
 
+def test_step_flags_fold_a_spike_into_the_skip_flag():
+    # The hot path: StepFlags judges the step's (agreed) loss and norm and returns the skip flag the optimizer gets.
+    from safe_trainers.guard.step_flags import StepFlags
+
+    flags = StepFlags(spikes=SpikeWindow(SpikeSettings(6.0, window=8, warmup=4)))
+
+    def step(number, loss, norm):
+        flags.observe_loss(torch.tensor(loss))
+        return bool(flags.end_step(number, torch.tensor(norm), "cpu"))
+
+    assert not any(step(i, 0.5 + 0.01 * (i % 3), 1.0 + 0.05 * (i % 2)) for i in range(1, 7))
+    assert step(7, 50.0, 1.0) and step(8, NAN, 1.0) and step(9, 0.5, 80.0) and not step(10, 0.51, 1.02)
+    records = flags.read()
+    assert [(r.step, r.bad, r.spike) for r in records[6:]] == [(7, False, True), (8, True, False), (9, False, True),
+                                                               (10, False, False)]  # fmt: skip
+    assert int(flags.spikes.count) == 7  # steps 1-6 and 10
+
+
 # ---------------------------------------------------------------- real runs
 class WeightsAtStep(TrainerCallback):
     """A copy of the first trainable weight matrix at the end of every step."""
