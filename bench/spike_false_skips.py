@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import tempfile
 import time
@@ -29,7 +30,8 @@ from safe_trainers.guard import read_events
 from safe_trainers.guard.spikes import SpikeSettings, SpikeWindow
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
-from safe_trainers.testing.toy import save_toy_model
+from safe_trainers.kinds import get_kind
+from safe_trainers.testing.toy import rank_reward, save_toy_model
 
 KINDS = ("sft", "reward", "dpo", "kto", "grpo", "rloo")
 FACTORS = (4.0, 6.0, 8.0, 10.0)
@@ -83,9 +85,12 @@ def injected_run(kind: str, models: dict, root: str, steps: int, at: dict[int, s
     """A real run with the default spike settings and spikes injected at `at` (step -> kind): (injected, skipped)."""
     out = os.path.join(root, f"{kind}-spiked")
     faults = [Fault(step=s, kind=k, value=100.0 if k == "loss_scale" else 1000.0) for s, k in at.items()]
+    # GRPO/RLOO: a reward that differs inside every group, so the injected steps have an update to skip (with the
+    # preset's sparse reward most steps have a loss and gradient of exactly 0, where a x100 changes nothing).
+    online = {"trainer_kwargs": {"reward_funcs": rank_reward}} if get_kind(kind).online else {}
     trainer = build_trainer(
         kind, model_for(kind, models), out, preset="guarded", max_steps=steps, save_strategy="no",
-        logging_steps=steps, faults=faults, **config,
+        logging_steps=steps, faults=faults, **online, **config,
     )  # fmt: skip
     trainer.train()
     injected = sorted({step for step, _ in trainer.fault_injector.injected})
@@ -108,6 +113,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
     parser.add_argument("--phase", choices=("both", "replay", "inject"), default="both")
     parser.add_argument("--learning-rate", type=float, default=None, help="instead of the preset's 1e-3")
+    parser.add_argument("--save-series", default=None, help="write the recorded series to this JSON file")
     parser.add_argument(
         "--spike", nargs=3, type=float, default=None, metavar=("K", "WINDOW", "WARMUP"),
         help="the setting of the injected runs (default: the configs' defaults)",
@@ -136,6 +142,9 @@ def measure_false_skips(args, models, root, default, candidates) -> None:
         start = time.perf_counter()
         series[kind] = record(kind, models, root, args.steps, **lr_override(args))
         seconds[kind] = time.perf_counter() - start
+    if args.save_series:
+        with open(args.save_series, "w") as f:
+            json.dump(series, f)
     # Replayed injections: a loss x100 (its gradient x100 too) and a gradient x1000, late in the run.
     late = {int(args.steps * 0.6): (100.0, 100.0), int(args.steps * 0.8): (1.0, 1000.0)}
     rows = []
