@@ -241,11 +241,6 @@ class NanGuard:
         """Whether the state is known finite at this step (checked now unless this step was already verified)."""
         return self.verified_step == self.trainer.state.global_step or self.state_is_finite()
 
-    def save_state(self, checkpoint_dir: str) -> None:
-        """Write the guard's state, the spike detector's window included, into a checkpoint (the saving rank)."""
-        self.state.spike_window = self.spikes.history() if self.spikes is not None else None
-        self.state.save(checkpoint_dir)
-
     # ------------------------------------------------------------------ actions
     def take_snapshot(self) -> None:
         with self.watchdog.paused():  # a copy of the whole state: not timed as part of the step by the hang watchdog

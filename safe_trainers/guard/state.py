@@ -7,6 +7,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 
+from .spikes import SpikeWindow
+
 GUARD_STATE_FILE = "nan_guard_state.json"
 
 
@@ -34,7 +36,10 @@ class GuardState:
             "nan_guard/spike_steps": self.spike_steps,
         }
 
-    def save(self, checkpoint_dir: str) -> None:
+    def save(self, checkpoint_dir: str, spikes: SpikeWindow | None = None) -> None:
+        """Write the state into `checkpoint_dir`, with the window of `spikes`, the guard's spike detector (a host
+        read of its few values)."""
+        self.spike_window = spikes.history() if spikes is not None else None
         with open(os.path.join(checkpoint_dir, GUARD_STATE_FILE), "w") as f:
             json.dump(asdict(self), f)
 
