@@ -8,9 +8,13 @@ spikes, for every trainer, to choose the `nan_spike_*` defaults by measurement.
    skip a real run would diverge, so counts above 0 are indicative.
 2. For each trainer one real run with the chosen setting and injected spikes (a batch whose loss is x100, a gradient
    x1000 through the last decoder layer, `safe_trainers/testing/faults.py`): every injected step must be skipped.
+   GRPO/RLOO train there on a reward that differs inside every group, so that each injected step has an update.
+3. (`--phase cost`) the detector's own cost per step: `StepFlags.end_step` with and without it.
 
     python bench/spike_false_skips.py                     # 300 steps per trainer, the "guarded" preset (lr 1e-3)
-    python bench/spike_false_skips.py --steps 100 --kinds dpo grpo
+    python bench/spike_false_skips.py --steps 150 --phase replay --learning-rate 1e-5
+    python bench/spike_false_skips.py --phase inject --inject-steps 100 --learning-rate 1e-5 --spike 6 64 16
+    python bench/spike_false_skips.py --phase cost
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -28,6 +33,7 @@ from workload import markdown_table, quiet
 
 from safe_trainers.guard import read_events
 from safe_trainers.guard.spikes import SpikeSettings, SpikeWindow
+from safe_trainers.guard.step_flags import StepFlags
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.kinds import get_kind
@@ -111,7 +117,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--inject-steps", type=int, default=120)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
-    parser.add_argument("--phase", choices=("both", "replay", "inject"), default="both")
+    parser.add_argument("--phase", choices=("both", "replay", "inject", "cost"), default="both")
     parser.add_argument("--learning-rate", type=float, default=None, help="instead of the preset's 1e-3")
     parser.add_argument("--save-series", default=None, help="write the recorded series to this JSON file")
     parser.add_argument(
@@ -130,6 +136,8 @@ def main() -> None:
     candidates = [SpikeSettings(k, w, u) for k, w, u in itertools.product(FACTORS, WINDOWS, WARMUPS) if u <= w]
     if default.enabled and default not in candidates:
         candidates.append(default)
+    if args.phase == "cost":
+        return measure_cost()
     if args.phase != "inject":
         measure_false_skips(args, models, root, default, candidates)
     if args.phase != "replay":
@@ -160,6 +168,27 @@ def measure_false_skips(args, models, root, default, candidates) -> None:
     print(f"## False skips over {args.steps} healthy steps per trainer at lr {lr:g} (replayed), injections caught\n")
     print(markdown_table(["k", "window", "warm-up", *args.kinds, "total", "injected caught"], rows))
     print("\nRecording time per trainer (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+
+
+def measure_cost(repeats: int = 3, calls: int = 2000) -> None:
+    """The detector's own cost on the hot path: `StepFlags.end_step` with and without it (one thread, CPU tensors)."""
+    torch.set_num_threads(1)
+
+    def median_call(spikes: SpikeWindow | None) -> float:
+        flags, norm, times = StepFlags(spikes=spikes), torch.tensor(1.0), []
+        for i in range(calls):
+            start = time.perf_counter()
+            flags.observe_loss(torch.tensor(0.5 + 0.01 * (i % 5)))
+            flags.end_step(i, norm, "cpu")
+            times.append(time.perf_counter() - start)
+            flags.pending.clear()
+        return statistics.median(times[100:])
+
+    rows = []
+    for _ in range(repeats):
+        off, on = median_call(None), median_call(SpikeWindow(SpikeSettings(6.0)))
+        rows.append((f"{off * 1e6:.0f} us", f"{on * 1e6:.0f} us", f"{(on - off) * 1e6:.0f} us"))
+    print(markdown_table(["end_step, detection off", "end_step, detection on", "added per step"], rows))
 
 
 def measure_injected(args, models, root, default) -> None:
