@@ -50,6 +50,7 @@ def parse(argv=None, **defaults) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved (stock, safe) pairs")
     parser.add_argument("--snapshot-steps", type=int, default=10, help="`nan_snapshot_steps` of the guarded runs")
     parser.add_argument("--optims", default="adamw_torch_fused,adamw_torch", help="comma-separated `optim` values")
+    parser.add_argument("--spike-factor", type=float, default=None, help="`nan_spike_factor` of the guarded runs")
     parser.set_defaults(**defaults)
     return parser.parse_args(argv)
 
@@ -84,6 +85,7 @@ class Measurement:
     batch_bytes: int
     device_flag_bytes: int
     device_extra: float | None  # peak device memory, safe - stock (GPU only)
+    spike_factor: float = 0.0  # the guarded runs' `nan_spike_factor`
 
 
 def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measurement:
@@ -97,7 +99,8 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
         medians = {}
         for kind in order:
             out = os.path.join(root, f"{optim}-{kind}{round_index}")
-            trainer = make_trainer(kind, model_dir, out, data, ns.steps, ns.batch, ns.snapshot_steps, optim)
+            spikes = {} if ns.spike_factor is None else {"nan_spike_factor": ns.spike_factor}
+            trainer = make_trainer(kind, model_dir, out, data, ns.steps, ns.batch, ns.snapshot_steps, optim, **spikes)
             timer = StepTimer()
             trainer.add_callback(timer)
             if kind == "safe":
@@ -117,6 +120,7 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
                 held = trainer.nan_guard.snapshotter.snapshot
                 held_bytes, held_pinned = snapshot_bytes(held), pinned_bytes(held)
                 params = sum(p.numel() for p in trainer.model.parameters())
+                spike_factor = trainer.nan_guard.settings.nan_spike_factor
                 batch_bytes, flag_bytes = probe.batch_bytes, probe.device_bytes
                 # The probe holds the guard, which holds the trainer: drop both before the next run is built, or
                 # the last safe run's model, optimizer and snapshot stay alive through the next round.
@@ -143,6 +147,7 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
         batch_bytes=batch_bytes,
         device_flag_bytes=flag_bytes,
         device_extra=extra,
+        spike_factor=spike_factor,
     )
 
 
@@ -161,7 +166,7 @@ def rows(m: Measurement) -> list[tuple[str, str, str]]:
 def report(m: Measurement) -> None:
     ns = m.ns
     print(f"\nDPO, Qwen2-style model with {m.params / 1e6:.1f}M parameters, batch {ns.batch}, ~{ns.seq} tokens, "
-          f"{device_name()}, optim={m.optim}")
+          f"{device_name()}, optim={m.optim}, nan_spike_factor={m.spike_factor}")
     print(
         f"{ns.rounds} interleaved rounds x {ns.steps} steps each; step times are medians over {m.steps_measured} "
         f"steps, the ratio is the median of the per-round ratios ({', '.join(f'{r:.3f}' for r in m.round_ratios)})\n"

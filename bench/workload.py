@@ -155,12 +155,14 @@ def time_snapshot(
 
 
 def make_trainer(
-    kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int, optim: str
-):
+    kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int, optim: str,
+    **safe_config,
+):  # fmt: skip
     # The `"quick"` preset (lr 1e-5), scaled up; the stock run has no guard, so no `nan_snapshot_steps`.
+    # `safe_config`: more settings of the safe run (e.g. `nan_spike_factor`).
     own = dict(trainer_cls=trl.DPOTrainer, config_cls=trl.DPOConfig) if kind == "stock" else {}
     if kind == "safe":
-        own["nan_snapshot_steps"] = snapshot_steps
+        own.update(nan_snapshot_steps=snapshot_steps, **safe_config)
     return build_trainer(
         "dpo",
         model_dir,

@@ -8,6 +8,7 @@ has none of these fields; `SafetyArguments.from_config` then returns the default
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -50,12 +51,19 @@ class SafetyArguments:
     nan_lr_backoff (`float`, *optional*, defaults to `0.5`):
         Multiply the learning rate by this factor at each rollback (`1.0` keeps it).
     nan_spike_factor (`float`, *optional*, defaults to `0.0`):
-        Spike threshold in rolling standard deviations: an applied step whose loss or gradient norm lies more than
-        `nan_spike_factor` standard deviations above its mean over the last 64 applied steps (a one-sided z-score,
-        valid for losses of any sign and scale) is spiking; `nan_spike_patience` spiking steps in a row trigger a
-        rollback. `0` disables spike detection; 6 is OLMo-core's choice.
-    nan_spike_patience (`int`, *optional*, defaults to `2`):
-        Consecutive spiking steps needed to confirm a loss spike.
+        Spike threshold in standard deviations: a step whose loss or (pre-clip) gradient norm lies more than
+        `nan_spike_factor` standard deviations above its mean over the last `nan_spike_window` applied steps (a
+        one-sided z-score, valid for losses of any sign and scale) is spiking, and its update is skipped on the
+        device, on every rank alike, like a non-finite step (`nan_max_consecutive_skips` skips in a row roll back).
+        `0` disables spike detection.
+    nan_spike_window (`int`, *optional*, defaults to `64`):
+        How many recent applied steps the spike detector's mean and standard deviation cover. The window is saved
+        with every checkpoint, so a resumed run judges its first steps against its own history.
+    nan_spike_warmup (`int`, *optional*, defaults to `16`):
+        Applied steps the spike detector observes before it judges any step (at most `nan_spike_window`).
+    nan_spike_patience (`int`, *optional*, defaults to `None`):
+        Deprecated and unused: a spiking step is now skipped at once, before its update, and a run of skipped steps
+        rolls back after `nan_max_consecutive_skips`. Setting it warns.
 
     > Parameters that control crashes and restarts
 
@@ -110,12 +118,20 @@ class SafetyArguments:
     nan_spike_factor: float = field(
         default=0.0,
         metadata={
-            "help": "Loss or grad norm more than this many rolling standard deviations above the rolling mean counts "
-            "as a spike (0 disables detection; 6 is a good value)."
+            "help": "Skip, on the device, a step whose loss or pre-clip grad norm lies more than this many standard "
+            "deviations above its mean over the last `nan_spike_window` applied steps (0 disables)."
         },
     )
-    nan_spike_patience: int = field(
-        default=2, metadata={"help": "Consecutive spiking steps needed to confirm a loss spike."}
+    nan_spike_window: int = field(
+        default=64, metadata={"help": "Applied steps the spike detector's mean and standard deviation cover."}
+    )
+    nan_spike_warmup: int = field(
+        default=16,
+        metadata={"help": "Applied steps the spike detector observes before judging any (<= `nan_spike_window`)."},
+    )
+    nan_spike_patience: int | None = field(
+        default=None,
+        metadata={"help": "Deprecated and unused: a spiking step is skipped at once (setting it warns)."},
     )
     resume_on_restart: bool = field(
         default=True,
@@ -204,9 +220,22 @@ def validate_safety_arguments(settings: Any) -> None:
         ("nan_max_consecutive_skips", settings.nan_max_consecutive_skips >= 1, "an integer >= 1"),
         ("nan_lr_backoff", math.isfinite(settings.nan_lr_backoff) and 0 < settings.nan_lr_backoff <= 1, "in (0, 1]"),
         ("nan_spike_factor", settings.nan_spike_factor == 0 or settings.nan_spike_factor > 1, "0 (off) or > 1"),
-        ("nan_spike_patience", settings.nan_spike_patience >= 1, "an integer >= 1"),
+        ("nan_spike_window", settings.nan_spike_window >= 2, "an integer >= 2"),
+        (
+            "nan_spike_warmup",
+            2 <= settings.nan_spike_warmup <= settings.nan_spike_window,
+            f"an integer from 2 to `nan_spike_window` ({settings.nan_spike_window})",
+        ),
         ("skip_step_after_crashes", settings.skip_step_after_crashes >= 0, "an integer >= 0 (0 disables)"),
     ]
     for name, ok, expected in checks:
         if not ok:
             raise ValueError(f"`{name}` must be {expected}, got {getattr(settings, name)!r}.")
+    if settings.nan_spike_patience is not None:
+        warnings.warn(
+            f"`nan_spike_patience` is deprecated and has no effect (got {settings.nan_spike_patience!r}): a spiking "
+            "step is now skipped before its update, and `nan_max_consecutive_skips` skipped steps in a row roll "
+            "back. Remove it from your config.",
+            FutureWarning,
+            stacklevel=3,
+        )

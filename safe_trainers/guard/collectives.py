@@ -20,13 +20,14 @@ def ranks_with_flag(local: torch.Tensor) -> list[list[int]]:
     return [[rank for rank, flags in enumerate(table) if flags[i]] for i in range(local.shape[0])]
 
 
-def agree_any(flag: torch.Tensor) -> torch.Tensor:
-    """`flag` OR-ed across ranks, on the device (a one-element all-reduce; no host synchronisation)."""
+def max_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    """The element-wise maximum of the float tensor `values` over ranks, on the device (one all-reduce; no host
+    synchronisation; `values` itself in a single process). Flags ride on it as 0/1 (a maximum is their OR)."""
     if not distributed():
-        return flag
-    value = flag.to(torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value.bool()
+        return values
+    values = values.clone()
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
 
 
 def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 EventKind = Literal[
-    "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt"
+    "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt",
+    "spike",
 ]
 EVENTS_FILE = "nan_events.jsonl"
 
@@ -29,7 +30,8 @@ class NanEvent:
             (the run resumed, or was restarted by the elastic agent: from which checkpoint, which newer ones were
             passed over and why, which earlier processes died where), `"poison"` (a step's batches killed the
             process several times in a row and are skipped: which micro-batches, which attempts died), `"preempt"`
-            (a preemption signal: which ranks received it, and the step of the checkpoint published before exiting).
+            (a preemption signal: which ranks received it, and the step of the checkpoint published before exiting),
+            `"spike"` (the step's loss or gradient norm spiked far above the recent steps': its update was skipped).
         nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
             `"rewards"`, `"advantages"`.
         ranks (`list[int]`): the ranks where the loss was non-finite (all ranks see a non-finite gradient norm).

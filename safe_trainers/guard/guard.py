@@ -4,7 +4,8 @@ Per optimizer step, with no host-device synchronisation, [`StepFlags`] keeps a d
 norm, agreed across ranks), and `apply_skip` hands it to the optimizer before `optimizer.step()` (`skip.py`): fused
 torch optimizers, or an fp16 `GradScaler`, take it as `found_inf` and skip the update on the device; other optimizers
 fall back to one host read and drop the gradients; DeepSpeed skips non-finite steps itself. An fp16 loss scaler's
-overflow is recorded, not a fault.
+overflow is recorded, not a fault. A loss or gradient-norm spike (`spikes.py`) joins the same flag and is skipped
+the same way, before its update.
 
 At inspection points (log, save, evaluation, the last step, every `nan_snapshot_steps`) the flags are read back in
 one transfer and judged by the pure policy (`policy.judge_window`). The timeline never rewinds: a rollback puts back
@@ -26,13 +27,12 @@ from .disk_snapshot import CheckpointSnapshotter
 from .events import EventLog, NanEvent
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
-from .policy import (
-    SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows,
-)  # fmt: skip
+from .policy import StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows
 from .recovery import (
-    Restored, abort, record_overflows, record_rollback, record_skips, restore_at_end, restore_last_good,
+    Restored, abort, record_overflows, record_rollback, record_skips, record_spikes, restore_at_end, restore_last_good,
 )  # fmt: skip
 from .snapshot import Snapshotter, scale_learning_rate
+from .spikes import SpikeSettings, SpikeWindow
 from .state import GuardState
 from .step_flags import StepFlags, loss_scale
 from .watchdog import UNWATCHED
@@ -57,7 +57,7 @@ class NanGuard:
         self.batches = RecentBatches()
         self.state = GuardState()
         self.rollbacks_this_run = 0
-        self.spike: SpikeDetector | None = None
+        self.spikes: SpikeWindow | None = None
         self.replaying = False
         self.snapshotter: Snapshotter | CheckpointSnapshotter | None = None
         self.resumed_from: str | None = None
@@ -86,8 +86,8 @@ class NanGuard:
         saved = GuardState.load(resume_from) if resume_from is not None else None
         self.state = saved or GuardState(learning_rate=self.trainer.args.learning_rate)
         self.rollbacks_this_run = 0
-        factor = self.settings.nan_spike_factor
-        self.spike = SpikeDetector(factor, self.settings.nan_spike_patience) if factor else None
+        spikes = SpikeSettings.from_settings(self.settings)
+        self.spikes = SpikeWindow(spikes, self.state.spike_window) if spikes.enabled else None
         self.ledger.begin_run()
 
     def begin(self) -> None:
@@ -100,7 +100,7 @@ class NanGuard:
         else:
             model, resumed = self.trainer.model, self.resumed_from
             self.snapshotter = Snapshotter(model, backend.optimizer, backend.zero_stage, resumed_from=resumed)
-        self.flags = StepFlags(backend.loss_scaled)
+        self.flags = StepFlags(backend.loss_scaled, self.spikes)
         self.batches.clear()
         if not self.state_is_finite():
             raise ValueError(
@@ -192,31 +192,31 @@ class NanGuard:
         if not self.flags.pending and not verify:
             return None
         records = self.flags.read()
+        deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
         if any(r.overflow for r in records):
-            deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
             records = unexplained_overflows(records, loss_scale(self.trainer, deepspeed))
         any_bad = any(r.bad for r in records)
         state_finite = self.state_verified() if (any_bad or verify) else True
-        verdict = judge_window(
-            records, self._consecutive, self.settings.nan_max_consecutive_skips, self.spike, state_finite
-        )
+        limit = self.settings.nan_max_consecutive_skips
+        verdict = judge_window(records, self._consecutive, limit, deepspeed, state_finite)
         self._consecutive = verdict.consecutive
         self.state.overflow_steps += record_overflows(self.events, verdict.overflows)
+        self.state.spike_steps += record_spikes(self.events, verdict.spikes, skipped=not deepspeed)
         diagnosis = None
         if (
             verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
         ) and not self.state.localized:
             diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
         self.state.skipped_steps += record_skips(self.events, verdict.skipped, diagnosis)
-        self.ledger.record_skips(len(verdict.skipped))
+        self.ledger.record_skips(len(verdict.skipped) + len(verdict.spikes))
         self.batches.clear()
         if verdict.rollback is not None:
             if can_roll_back(self.rollbacks_this_run, self.settings.nan_max_rollbacks):
                 self.rollback(verdict, records, diagnosis if not verdict.skipped else None)
             else:
                 self.abort(verdict)
-        elif snapshot and state_finite and verdict.consecutive == 0 and not (self.spike and self.spike.in_progress):
-            # Only right after an applied, non-spiking step: a rollback then restores the state before the fault.
+        elif snapshot and state_finite and verdict.consecutive == 0:
+            # Only right after an applied step: a rollback then restores the state before the fault.
             self.take_snapshot()
         return verdict
 
@@ -282,8 +282,6 @@ class NanGuard:
         self._consecutive = 0
         self.flags.clear()
         self.batches.clear()
-        if self.spike is not None:
-            self.spike.reset()
 
     def record_rewards(self, nonfinite: int, total: int, whole_groups: int) -> None:
         """GRPO/RLOO: some rewards came back NaN/None/Inf (called with gathered counts, identical on every rank)."""
@@ -303,4 +301,3 @@ class NanGuard:
 
 
 __all__ = ["NanGuard"]
-

@@ -82,7 +82,8 @@ def record_rollback(
     included; `damaged_ranks`: the ranks whose state was found non-finite)."""
     current, step, lr = restored.at_step, restored.step, restored.learning_rate
     bad = [r for r in records if r.bad]
-    what = sorted({w for r in bad for w in r.what}) or (["loss_spike"] if verdict.rollback == "loss_spike" else [])
+    spiked = verdict.rollback == "loss_spike" or verdict.spikes
+    what = sorted({w for r in bad for w in r.what}) or (["loss_spike"] if spiked else [])
     if verdict.rollback == "nonfinite_state":
         what = sorted(set(what) | {"weights_or_optimizer_state"})
     detail = {
@@ -206,6 +207,19 @@ def record_skips(events: EventLog, skipped: list[StepRecord], diagnosis: dict | 
             f"(steps {[r.step for r in skipped]}). See {events.path}."
         )
     return len(skipped)
+
+
+def record_spikes(events: EventLog, spikes: list[StepRecord], skipped: bool = True) -> int:
+    """Record and log the steps the spike detector found spiking (`skipped`: their update was not applied; under
+    DeepSpeed it was, and a rollback follows); returns how many."""
+    for record in spikes:
+        events.add(NanEvent(record.step, "spike", [], [], {"loss": record.loss, "grad_norm": record.grad_norm}))
+    if spikes and skipped:
+        logger.warning(
+            f"NaN guard: {len(spikes)} update(s) whose loss or gradient norm spiked far above the recent steps' were "
+            f"not applied (steps {[r.step for r in spikes]}; `nan_spike_factor=0` turns this off). See {events.path}."
+        )
+    return len(spikes)
 
 
 def record_overflows(events: EventLog, overflows: list[StepRecord]) -> int:

@@ -1,10 +1,13 @@
-"""The guard's own state that outlives a process: counters and LR backoff, saved with every checkpoint."""
+"""The guard's own state that outlives a process: counters, LR backoff and the spike detector's window, saved with
+every checkpoint."""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import asdict, dataclass, fields
+
+from .spikes import SpikeWindow
 
 GUARD_STATE_FILE = "nan_guard_state.json"
 
@@ -20,6 +23,8 @@ class GuardState:
     lr_scale: float = 1.0
     learning_rate: float | None = None  # the configured `learning_rate` the backoff applies to
     localized: bool = False
+    spike_steps: int = 0
+    spike_window: dict[str, list[float]] | None = None  # `SpikeWindow.history()`, as of the checkpoint
 
     def counters(self) -> dict[str, int]:
         """What goes into every log (W&B, TensorBoard, ...)."""
@@ -28,9 +33,13 @@ class GuardState:
             "nan_guard/rollbacks": self.rollbacks,
             "nan_guard/discarded_steps": self.discarded_steps,
             "nan_guard/overflow_steps": self.overflow_steps,
+            "nan_guard/spike_steps": self.spike_steps,
         }
 
-    def save(self, checkpoint_dir: str) -> None:
+    def save(self, checkpoint_dir: str, spikes: SpikeWindow | None = None) -> None:
+        """Write the state into `checkpoint_dir`, with the window of `spikes`, the guard's spike detector (a host
+        read of its few values)."""
+        self.spike_window = spikes.history() if spikes is not None else None
         with open(os.path.join(checkpoint_dir, GUARD_STATE_FILE), "w") as f:
             json.dump(asdict(self), f)
 

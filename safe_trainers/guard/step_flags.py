@@ -1,9 +1,11 @@
 """The guard's per-step hot path: device flags for each optimizer step, read back only at inspections.
 
 Every micro-batch loss is folded into a device flag; after gradient clipping the flag is combined with the gradient
-norm and agreed across ranks with one small all-reduce. Nothing here reads a tensor on the host: the flags of the
-steps not yet inspected wait on the device as [`PendingStep`] records, and [`StepFlags.read`] brings them back in one
-transfer when the guard inspects.
+norm and agreed across ranks with one small all-reduce, which also carries the step's loss (the largest rank's), so
+that the spike detector (`spikes.py`) judges the same values on every rank. A spike joins the step's skip flag, so it
+is skipped where a non-finite step is. Nothing here reads a tensor on the host: the flags of the steps not yet
+inspected wait on the device as [`PendingStep`] records, and [`StepFlags.read`] brings them back in one transfer when
+the guard inspects.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .collectives import agree_any, ranks_with_flag
+from .collectives import max_across_ranks, ranks_with_flag
 from .policy import StepRecord
 from .sharding import replicated
 from .skip import clear_found_inf, skip_if_faulted
+from .spikes import SpikeWindow
 
 
 class PendingStep(NamedTuple):
@@ -28,6 +31,8 @@ class PendingStep(NamedTuple):
         loss (`torch.Tensor`): the sum of this rank's micro-batch losses.
         grad_norm (`torch.Tensor`): the (world-reduced) gradient norm.
         overflow (`torch.Tensor`): the loss scaler's overflow (finite loss, non-finite gradients under fp16).
+        spike (`torch.Tensor`): the spike detector found the step spiking (its update is skipped where the guard
+            skips; under DeepSpeed, which steps inside `backward`, it was applied).
     """
 
     step: int
@@ -36,6 +41,7 @@ class PendingStep(NamedTuple):
     loss: torch.Tensor
     grad_norm: torch.Tensor
     overflow: torch.Tensor
+    spike: torch.Tensor
 
 
 class StepFlags:
@@ -44,10 +50,12 @@ class StepFlags:
     Args:
         loss_scaled (`bool`): an fp16 loss scaler is active: non-finite gradients with a finite loss are its
             overflows (it skips the step itself), not faults.
+        spikes ([`SpikeWindow`], *optional*): the spike detector; `None` when spike detection is off.
     """
 
-    def __init__(self, loss_scaled: bool = False):
+    def __init__(self, loss_scaled: bool = False, spikes: SpikeWindow | None = None):
         self.loss_scaled = loss_scaled
+        self.spikes = spikes
         self.pending: list[PendingStep] = []
         self.fault_now: torch.Tensor | None = None
         self._loss_bad: torch.Tensor | None = None
@@ -70,11 +78,12 @@ class StepFlags:
         dropped: bool = False,
         rider: Any = None,
     ) -> torch.Tensor:
-        """Close step `step`: combine the loss flag with the gradient norm, agree across ranks (one all-reduce), keep
-        the record, and return the device fault flag. `optimizer_skipped`: DeepSpeed already skipped this step.
-        `dropped`: every rank left this step's batches untrained (a poisoned step): a fault, whatever the scaler.
-        `rider`: a flag that rides on the same all-reduce (the preemption bit, see `preemption.py`): its
-        `local_bit(device)` is OR-ed across ranks and handed back, on the device, to its `agreed(step, bit)`."""
+        """Close step `step`: combine the loss flag with the gradient norm, agree across ranks (one all-reduce), judge
+        the spike detector, keep the record, and return the device skip flag (a fault or a spike).
+        `optimizer_skipped`: DeepSpeed already skipped this step. `dropped`: every rank left this step's batches
+        untrained (a poisoned step): a fault, whatever the scaler. `rider`: a flag that rides on the same all-reduce
+        (the preemption bit, see `preemption.py`): its `local_bit(device)` is OR-ed across ranks and handed back, on
+        the device, to its `agreed(step, bit)`."""
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         norm = (
             grad_norm
@@ -85,12 +94,15 @@ class StepFlags:
         norm_bad = ~torch.isfinite(norm)
         if optimizer_skipped:
             norm_bad = norm_bad | torch.tensor(True, device=local.device)
+        loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
+        judged_loss = torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0)  # a non-finite loss is a fault
         extra = rider.local_bit(local.device) if rider is not None else None
-        flags = [local, norm_bad] + ([extra] if extra is not None else [])
-        agreed = agree_any(torch.stack(flags))  # [any rank's loss non-finite, gradient non-finite, (rider's flag)]
+        values = [local, norm_bad, judged_loss] + ([extra] if extra is not None else [])
+        # [any rank's loss non-finite, gradient non-finite, the largest rank's loss, (rider's flag)]
+        agreed = max_across_ranks(torch.stack([v.float() for v in values]))
         if extra is not None:
-            rider.agreed(step, agreed[2])
-        loss_bad_any, norm_bad_any = agreed[0], agreed[1]
+            rider.agreed(step, agreed[3] > 0)
+        loss_bad_any, norm_bad_any = agreed[0] > 0, agreed[1] > 0
         if self.loss_scaled:
             fault, overflow = loss_bad_any, norm_bad_any & ~loss_bad_any
         else:
@@ -98,14 +110,19 @@ class StepFlags:
             overflow = torch.zeros_like(fault)
         if dropped:
             fault, overflow = torch.ones_like(fault), torch.zeros_like(overflow)
-        loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
-        self.pending.append(PendingStep(step, fault, local, loss, norm, overflow))
-        self.fault_now = fault
+        if self.spikes is not None:
+            spike = self.spikes.judge(agreed[2], norm, ~(fault | overflow))
+        else:
+            spike = torch.zeros_like(fault)
+        skip = fault | spike
+        self.pending.append(PendingStep(step, fault, local, loss, norm, overflow, spike))
+        self.fault_now = skip
         self._loss_bad = self._loss_sum = None
-        return fault
+        return skip
 
     def skip_update(self, optimizer: Any, scaler: Any = None) -> None:
-        """Make `optimizer.step()` a no-op when the step just closed is a fault (after clipping, before the step):
+        """Make `optimizer.step()` a no-op when the step just closed is skipped, a fault or a spike (after clipping,
+        before the step):
         through the fp16 loss `scaler`'s own `found_inf` when one drives the step, else the optimizer's (see
         `skip.py`)."""
         fault = self.fault_now
@@ -125,14 +142,15 @@ class StepFlags:
         if not pending:
             return []
         table = torch.stack(
-            [torch.stack([p.fault.float(), p.loss.float(), p.grad_norm.float(), p.overflow.float()]) for p in pending]
+            [torch.stack([p.fault, p.loss, p.grad_norm, p.overflow, p.spike]).float() for p in pending]
         ).cpu()
         bad = [bool(flag) for flag in table[:, 0].tolist()]
-        losses, norms, overflow = table[:, 1].tolist(), table[:, 2].tolist(), table[:, 3].tolist()
+        losses, norms = table[:, 1].tolist(), table[:, 2].tolist()
+        overflow, spike = table[:, 3].tolist(), table[:, 4].tolist()
         ranks = ranks_with_flag(torch.stack([p.local for p in pending])) if any(bad) else [[] for _ in pending]
         return [
-            StepRecord(p.step, loss, norm, b, tuple(r), bool(o))
-            for p, loss, norm, b, r, o in zip(pending, losses, norms, bad, ranks, overflow)
+            StepRecord(p.step, loss, norm, b, tuple(r), bool(o), bool(k))
+            for p, loss, norm, b, r, o, k in zip(pending, losses, norms, bad, ranks, overflow, spike)
         ]
 
     def clear(self) -> None:

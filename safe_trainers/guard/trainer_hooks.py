@@ -202,7 +202,7 @@ class NanGuardTrainerMixin:
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_FILE))  # with the published best path
-            guard.state.save(staged)
+            guard.state.save(staged, guard.spikes)  # with the spike window
             publish(staged, final)
         if guard.snapshotter is not None:
             guard.snapshotter.published(final)

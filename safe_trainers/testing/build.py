@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..kinds import get_kind
-from .faults import Fault, FaultInjector
+from .faults import Fault, FaultInjector, with_loss_faults
 from .quick import quick_args
 from .toy import count_words_reward, dataset_for, rank_reward
 
@@ -114,7 +114,7 @@ def build_trainer(
         output_dir (`str` or `os.PathLike`): the run's `output_dir`.
         preset (`str`): `"quick"` or `"guarded"`.
         faults (`Sequence[Fault]`): faults to inject; a `FaultInjector` is attached when there are any, or when the
-            preset always attaches one.
+            preset always attaches one. A `loss_scale` fault mixes `LossScaleFaults` into the trainer class.
         dataset (`Dataset`, *optional*): the training data; by default the toy data of `kind`.
         rows (`int`, *optional*): how many toy rows, instead of the preset's.
         eval_rows (`int`): with more than 0, an evaluation set of that many toy rows (another seed).
@@ -139,7 +139,10 @@ def build_trainer(
         extra["eval_dataset"] = dataset_for(kind, eval_rows, seed=1)
     if dataset is None:
         dataset = dataset_for(kind, rows or chosen.rows or 8 * args.max_steps)
-    trainer = (trainer_cls or trainer_class(kind))(model=model, args=args, train_dataset=dataset, **extra)
+    cls = trainer_cls or trainer_class(kind)
+    if any(fault.kind == "loss_scale" for fault in faults):
+        cls = with_loss_faults(cls)  # the loss is scaled where the trainer computes it
+    trainer = cls(model=model, args=args, train_dataset=dataset, **extra)
     if faults or chosen.inject_faults:
         trainer.fault_injector = FaultInjector(list(faults))
         trainer.add_callback(trainer.fault_injector)

@@ -7,6 +7,11 @@ from safe_trainers.testing.faults import Fault, FaultInjector
 
 trainer.add_callback(FaultInjector([Fault(step=6, kind="loss"), Fault(step=9, kind="grad", rank=1)]))
 ```
+
+Spikes (finite): `Fault(step=40, kind="loss_scale", value=100)` multiplies the step's training loss by 100 (so its
+gradient too), which needs the trainer class to mix in [`LossScaleFaults`] (`build_trainer` does it when a fault asks
+for it); `Fault(step=50, kind="grad_scale", value=1000)` multiplies the gradient flowing back through the last
+decoder layer (every parameter below it) by 1000, the loss left as it is.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from transformers import TrainerCallback
 from ..guard.sharding import is_sharded, local
 
 
-FaultKind = Literal["loss", "grad", "weight", "update", "frozen"]
+FaultKind = Literal["loss", "grad", "weight", "update", "frozen", "loss_scale", "grad_scale"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,9 @@ class Fault:
             `"grad"` (one trainable parameter's gradient becomes `value`), `"weight"` (one trainable weight is
             overwritten with `value` before the step, so the step's loss sees it), `"update"` (the same weight is
             overwritten right after the optimizer step, as a bad update would: the step's loss stays finite),
-            `"frozen"` (one frozen weight matrix, a LoRA base layer say, is overwritten with `value` before the step).
+            `"frozen"` (one frozen weight matrix, a LoRA base layer say, is overwritten with `value` before the step),
+            `"loss_scale"` (the training loss is multiplied by `value`: needs [`LossScaleFaults`]), `"grad_scale"`
+            (the gradient flowing back through the last decoder layer is multiplied by `value`).
         rank (`int | None`): the only rank that injects (`None`: every rank).
         micro_batch (`int | None`): with `kind="loss"`, poison only this micro-batch of the step (0-based, among
             `gradient_accumulation_steps`); a replay of the step's micro-batches, in order, is poisoned the same way.
@@ -107,9 +114,19 @@ class FaultInjector(TrainerCallback):
         for handle in self._handles:
             handle.remove()
 
+    def loss_factor(self) -> float:
+        """The factor of an active `loss_scale` fault for the loss being computed now (`1.0`: none)."""
+        if "loss_scale" not in self._active:
+            return 1.0
+        self.injected.append((self._step, "loss_scale"))
+        return self._active["loss_scale"]
+
     def _poison_activation(self, module, inputs, output):
         if not torch.is_grad_enabled():
             return None
+        if "grad_scale" in self._active:
+            hidden = output if torch.is_tensor(output) else output[0]
+            hidden.register_hook(self._scale_grad)
         if "grad" in self._active and is_sharded(self._weight):
             # FSDP2 hands a sharded parameter its gradient outside autograd (after the reduce-scatter), so the
             # parameter's own hook never fires: poison the gradient flowing back through this layer instead.
@@ -125,6 +142,10 @@ class FaultInjector(TrainerCallback):
             return output * self._active["loss"]
         return (output[0] * self._active["loss"], *output[1:])
 
+    def _scale_grad(self, grad):
+        self.injected.append((self._step, "grad_scale"))
+        return grad * self._active["grad_scale"]
+
     def _poison_grad(self, grad):
         if "grad" not in self._active:
             return None
@@ -132,6 +153,33 @@ class FaultInjector(TrainerCallback):
         grad = grad.clone()
         grad.view(-1)[0] = self._active["grad"]
         return grad
+
+
+class LossScaleFaults:
+    """Mixed in before a trainer class: its training loss is multiplied by the active `loss_scale` fault's value
+    (read from `self.fault_injector`); evaluation losses are left alone."""
+
+    fault_injector: FaultInjector | None = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        injector = self.fault_injector
+        factor = injector.loss_factor() if injector is not None and model.training else 1.0
+        if factor == 1.0:
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return loss * factor, outputs
+        return result * factor
+
+
+def with_loss_faults(trainer_cls: type) -> type:
+    """`trainer_cls` with [`LossScaleFaults`] mixed in (the class itself if it already has it)."""
+    if issubclass(trainer_cls, LossScaleFaults):
+        return trainer_cls
+    return type(trainer_cls.__name__, (LossScaleFaults, trainer_cls), {})
 
 
 def _weight_target(param: torch.nn.Parameter, optimizer: Any) -> torch.Tensor:

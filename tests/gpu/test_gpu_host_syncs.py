@@ -90,10 +90,12 @@ def test_the_watch_sees_collective_waits(monkeypatch, tmp_path):
     "precision",
     [
         {"bf16": True},
+        # The spike detector's window (judged and updated on the device at every step, warm-up or not).
+        {"bf16": True, "nan_spike_factor": 6.0},
         # fp16 with the real CUDA loss scaler: the fault goes into the scaler's own `found_inf`, on the device.
         {"bf16": False, "fp16": True, "safety_disable_rules": ["precision.bf16_over_fp16"]},
     ],
-    ids=["bf16", "fp16-loss-scaler"],
+    ids=["bf16", "bf16-spikes", "fp16-loss-scaler"],
 )
 def test_no_host_sync_per_step_and_the_fault_is_skipped_on_the_device(toy_models, tmp_path, monkeypatch, precision):
     trainer = hot_path_trainer(toy_models, tmp_path, **precision)
@@ -109,6 +111,7 @@ def test_no_host_sync_per_step_and_the_fault_is_skipped_on_the_device(toy_models
     assert (FAULT_STEP, "loss") in trainer.fault_injector.injected
     guard = trainer.nan_guard.state
     assert (guard.skipped_steps, guard.rollbacks, trainer.state.global_step) == (1, 0, MAX_STEPS)
+    assert guard.spike_steps == 0
     # The faulted step changed no weight and no optimizer step count; the steps around it trained.
     assert states.unchanged(FAULT_STEP)
     assert any(states.applied(step) for step in range(2, MAX_STEPS + 1) if step != FAULT_STEP)

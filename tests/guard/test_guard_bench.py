@@ -18,6 +18,7 @@ SCALING = ["--sizes", "32x1", "--warmup", "1", "--rounds", "1", "--repeats", "1"
 OVERHEAD = ["--hidden", "32", "--layers", "1", "--rounds", "1", "--optims", "adamw_torch"]
 MEMORY = ["--steps", "1", "--seq", "16", "--sizes", "32x1", "--methods", "lora"]
 FINITE = ["--megabytes", "8", "--repeats", "1"]
+SPIKES = ["--steps", "4", "--inject-steps", "4", "--kinds", "dpo", "--spike", "6", "4", "2"]
 
 
 @pytest.mark.parametrize(
@@ -27,6 +28,7 @@ FINITE = ["--megabytes", "8", "--repeats", "1"]
         ("guard_overhead.py", TINY + OVERHEAD, "rollback"),
         ("guard_memory.py", MEMORY, "guard extra"),
         ("finite_check.py", FINITE, "catches a NaN"),
+        ("spike_false_skips.py", SPIKES, "all skipped"),
     ],
 )
 def test_bench_runs_and_prints_its_table(script, args, expected):

@@ -73,7 +73,8 @@ def test_from_config_reads_safety_fields_and_splits_strings():
         ("nan_lr_backoff", 0.0, r"`nan_lr_backoff` must be in \(0, 1\], got 0.0"),
         ("nan_lr_backoff", 1.5, r"`nan_lr_backoff` must be in \(0, 1\]"),
         ("nan_spike_factor", 0.5, r"`nan_spike_factor` must be 0 \(off\) or > 1"),
-        ("nan_spike_patience", 0, r"`nan_spike_patience` must be an integer >= 1"),
+        ("nan_spike_window", 1, r"`nan_spike_window` must be an integer >= 2, got 1"),
+        ("nan_spike_warmup", 65, r"`nan_spike_warmup` must be an integer from 2 to `nan_spike_window` \(64\)"),
     ],
 )
 def test_invalid_safety_fields(field, value, match):
@@ -114,3 +115,8 @@ def test_training_diverged_error_is_a_runtime_error():
     err = TrainingDivergedError("diverged", checkpoint_dir="ckpt", report_path="events.jsonl")
     assert isinstance(err, RuntimeError) and not isinstance(err, ValueError)
     assert (str(err), err.checkpoint_dir, err.report_path) == ("diverged", "ckpt", "events.jsonl")
+
+
+def test_nan_spike_patience_is_deprecated():
+    with pytest.warns(FutureWarning, match=r"`nan_spike_patience` is deprecated and has no effect \(got 2\)"):
+        SafetyArguments(nan_spike_patience=2)

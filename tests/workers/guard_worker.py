@@ -55,6 +55,8 @@ def parse(argv=None):
     parser.add_argument("--gpu", action="store_true", help="train on the GPU in bf16 (the preset pins the CPU)")
     parser.add_argument("--save_final", action="store_true", help="`save_model(out/final)` after training")
     parser.add_argument("--bypass", action="append", default=[], help="a hook of the guard to take out (hook_utils)")
+    parser.add_argument("--spike_factor", type=float, default=None, help="`nan_spike_factor` (default: the config's)")
+    parser.add_argument("--learning_rate", type=float, default=None, help="(default: the preset's)")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
 
@@ -118,6 +120,8 @@ def main(argv=None) -> int:
         trainer_kwargs=lora,
         **fsdp,
         **(dict(use_cpu=False, bf16=True, learning_rate=1e-5) if ns.gpu else {}),
+        **({"nan_spike_factor": ns.spike_factor} if ns.spike_factor is not None else {}),
+        **({"learning_rate": ns.learning_rate} if ns.learning_rate is not None else {}),
     )
     injector = trainer.fault_injector
     outcome = "finished"
@@ -145,6 +149,7 @@ def main(argv=None) -> int:
         "injected": injector.injected,
         "skipped": trainer.nan_guard.state.skipped_steps,
         "rollbacks": trainer.nan_guard.state.rollbacks,
+        "spikes": trainer.nan_guard.state.spike_steps,
         "seen": getattr(trainer, "seen", []),
         "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
         "state_dict_type": str(getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "state_dict_type", "")),
