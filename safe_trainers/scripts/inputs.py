@@ -142,10 +142,10 @@ def _model(name: str | None, facts: Facts) -> Verdict:
         return None
     if _offline(facts):
         return (
-            f"is not a local directory (nothing at {place.absolute}) nor a model in the local Hugging Face cache, and "
-            "the Hub cannot be used here",
-            f"Point it at {saved}, or download it where the Hub is reachable (`hf download {name}`) and copy the "
-            "Hugging Face cache (`~/.cache/huggingface/hub`) to this machine.",
+            f"is not a local directory (nothing at {place.absolute}) nor in the local Hugging Face cache, and the Hub "
+            "cannot be used here",
+            f"Point it at {saved}, or run `hf download {name}` where the Hub is reachable and copy "
+            "`~/.cache/huggingface/hub` here.",
         )
     if place.on_hub is False:
         return (
@@ -173,10 +173,10 @@ def _dataset(name: str | None, facts: Facts) -> Verdict:
     if place.cached or not _offline(facts):
         return None
     return (
-        f"is not a local file or folder (nothing at {place.absolute}) nor a dataset in the local cache, and the Hub "
-        "cannot be used here",
-        f"Pass {formats} with `--dataset_name path/to/train.jsonl`, or download it where the Hub is reachable "
-        f"(`hf download --repo-type dataset {name}`) and copy the Hugging Face cache to this machine.",
+        f"is not a local file or folder (nothing at {place.absolute}) nor in the local cache, and the Hub cannot be "
+        "used here",
+        f"Pass {formats} (`--dataset_name path/to/train.jsonl`), or run `hf download --repo-type dataset {name}` where "
+        "the Hub is reachable and copy `~/.cache/huggingface/hub` here.",
     )
 
 
