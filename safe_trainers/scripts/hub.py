@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 PROBE_TIMEOUT = 1.5  # seconds for the one connection attempt, DNS lookup included
 TRUE_VALUES = frozenset({"1", "ON", "YES", "TRUE"})  # what huggingface_hub reads as true
-FALSE_VALUES = frozenset({"0", "OFF", "NO", "FALSE", ""})
+FALSE_VALUES = frozenset({"0", "OFF", "NO", "FALSE"})
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def current_address() -> tuple[str, int]:
 @cache
 def hub_access() -> HubAccess:
     """Decide once per process whether the Hub can be used; switch the libraries to offline mode when not."""
-    user_offline = os.environ.get("HF_HUB_OFFLINE", os.environ.get("TRANSFORMERS_OFFLINE"))
+    user_offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or None  # "" = unset
     address = current_address()
     probe_needed = user_offline is None
     access = decide(user_offline, address, reachable(address) if probe_needed else None)
