@@ -53,7 +53,8 @@ def main() -> None:
         retries = sum("Retrying in" in line for line in output.splitlines())
         worst = max(worst, seconds)
         verdict = "ok" if seconds < TARGET_S and offline == 1 and retries == 0 else "MISSED"
-        print(f"{config.name:<22} {trainer_of(config):<7} {seconds:>8.1f} {code:>4} {offline:>13} {retries:>7}  {verdict}")
+        row = f"{config.name:<22} {trainer_of(config):<7} {seconds:>8.1f} {code:>4} {offline:>13} {retries:>7}"
+        print(f"{row}  {verdict}")
     print(f"slowest: {worst:.1f} s (target < {TARGET_S:g} s each); load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs")  # fmt: skip
 

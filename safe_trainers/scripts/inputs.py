@@ -175,8 +175,8 @@ def _dataset(name: str | None, facts: Facts) -> Verdict:
     return (
         f"is not a local file or folder (nothing at {place.absolute}) nor in the local cache, and the Hub cannot be "
         "used here",
-        f"Pass {formats} (`--dataset_name path/to/train.jsonl`), or run `hf download --repo-type dataset {name}` where "
-        "the Hub is reachable and copy `~/.cache/huggingface/hub` here.",
+        f"Pass {formats} (`--dataset_name path/to/train.jsonl`), or run `hf download --repo-type dataset {name}` "
+        "where the Hub is reachable and copy `~/.cache/huggingface/hub` here.",
     )
 
 
@@ -201,7 +201,7 @@ def _rows(name: str | None, facts: Facts) -> Verdict:
     shape = facts.data
     if shape is None or shape.rows is None or shape.rows > 0:
         return None
-    return f"has no rows in split {shape.split!r}", "Put the training examples in it, or choose the split that has them."
+    return f"has no rows in split {shape.split!r}", "Put the training examples in it, or name the split that has them."
 
 
 def _columns(name: str | None, facts: Facts) -> Verdict:

@@ -89,7 +89,8 @@ def make_parser(kind: str, config_class: type | None = None, prog: str | None = 
     in messages (`train_<kind>` by default)."""
     from ..configs import config_class as kind_config
 
-    parser = ScriptParser((ScriptArguments, config_class or kind_config(kind), ModelConfig), prog=prog or f"train_{kind}")
+    dataclasses = (ScriptArguments, config_class or kind_config(kind), ModelConfig)
+    parser = ScriptParser(dataclasses, prog=prog or f"train_{kind}")
     if not has_accelerator():
         # transformers refuses bf16 (the TRL default) without a GPU unless `use_cpu=True`.
         parser.set_defaults(use_cpu=True)

@@ -1,7 +1,8 @@
 """The launch scripts answer a user's mistake with one message and exit status 2, never a traceback (issue 23, item 1).
 
 Each row of the issue's table, run as a user runs it: `python launch/train_dpo.py ... --max_steps 2` in a fresh
-process, on a tiny local model and local JSONL files. Before the fix each of these ended in a Python traceback (exit 1).
+process, on a tiny local model and local JSONL files. Before the fix each of these ended in a Python traceback
+(exit 1).
 """
 
 from __future__ import annotations
@@ -102,11 +103,12 @@ def test_every_row_truncated_away(toy_models, prefs, tmp_path):
 
 
 def test_a_shipped_config_on_a_machine_without_the_hub(tmp_path):
-    # No Hub: the endpoint is a closed local port and the cache is empty. Was: ConnectionError after minutes of retries.
+    # No Hub: the endpoint is a closed local port, the cache is empty. Was: ConnectionError after minutes of retries.
     env = hub_unreachable(tmp_path)
     done, output = train_dpo(["--config", "configs/trainers/dpo.yaml"], tmp_path, **env)
-    assert_refused(done, output, "`dataset_name='trl-lib/ultrafeedback_binarized'`", "--dataset_name path/to/train.jsonl",
-                   "`model_name_or_path='Qwen/Qwen2.5-0.5B-Instruct'`")  # fmt: skip
+    dataset, model = "trl-lib/ultrafeedback_binarized", "Qwen/Qwen2.5-0.5B-Instruct"
+    assert_refused(done, output, f"`dataset_name={dataset!r}`", "--dataset_name path/to/train.jsonl",
+                   f"`model_name_or_path={model!r}`")  # fmt: skip
     assert output.count("so working offline") == 1
     assert "Retrying" not in output
 
@@ -123,7 +125,7 @@ def hub_unreachable(tmp_path: Path) -> dict[str, str | None]:
 
 
 def test_a_bug_still_shows_its_traceback(monkeypatch, capsys):
-    """Only a user's mistake becomes a message and exit 2: any other exception leaves `run` as it is (its traceback)."""
+    """Only a user's mistake becomes a message and exit 2: any other exception leaves `run` as it is (a traceback)."""
     from safe_trainers.scripts import entry, launch
 
     def broken(kind, argv=None):

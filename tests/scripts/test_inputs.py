@@ -72,8 +72,9 @@ def test_data_columns_any_accepted_set():
 
 
 def test_config_file_states():
-    for state, words in [("missing", "names no file"), ("directory", "is a directory"),
-                         ("not_mapping", "mapping of settings"), ("unreadable", "could not be read as YAML")]:  # fmt: skip
+    states = [("missing", "names no file"), ("directory", "is a directory"), ("not_mapping", "mapping of settings"),
+              ("unreadable", "could not be read as YAML")]  # fmt: skip
+    for state, words in states:
         [problem] = judge("argv", {"config": "c.yaml"}, Facts(config=ConfigFile("c.yaml", state)))
         assert words in problem.problem
     assert judge("argv", {"config": "c.yaml"}, Facts(config=ConfigFile("c.yaml", "mapping"))) == []
