@@ -78,8 +78,10 @@ class ScriptParser(TrlParser):
     """TRL's parser, whose usage errors (a flag without its value, a value of the wrong type) raise an [`InputError`]
     of one line instead of printing the usage of every option and exiting."""
 
+    help_command = "python launch/train_<kind>.py --help"  # set per kind by `make_parser`
+
     def error(self, message: str):
-        raise InputError(text=f"{message}. Run `{self.prog} --help` for every setting and its type.")
+        raise InputError(text=f"{message}. Run `{self.help_command}` for every setting and its type.")
 
 
 def make_parser(kind: str, config_class: type | None = None, prog: str | None = None) -> TrlParser:
@@ -91,6 +93,7 @@ def make_parser(kind: str, config_class: type | None = None, prog: str | None = 
 
     dataclasses = (ScriptArguments, config_class or kind_config(kind), ModelConfig)
     parser = ScriptParser(dataclasses, prog=prog or f"train_{kind}")
+    parser.help_command = f"python launch/train_{kind}.py --help"
     if not has_accelerator():
         # transformers refuses bf16 (the TRL default) without a GPU unless `use_cpu=True`.
         parser.set_defaults(use_cpu=True)
