@@ -270,6 +270,12 @@ def _is_negative_number(text: str) -> bool:
     return True
 
 
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` as TRL's parser reads it: `--config=x` as `--config x`, and [`join_negative_values`]. Pure."""
+    split = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    return join_negative_values(split)
+
+
 def config_path(argv: Sequence[str]) -> str | None:
     """The `--config` path in `argv` (`--config x` or `--config=x`), or `None`. Pure."""
     for i, arg in enumerate(argv):
@@ -281,4 +287,4 @@ def config_path(argv: Sequence[str]) -> str | None:
 
 
 __all__ = ["DATA_COLUMNS", "DataShape", "Facts", "INPUT_CHECKS", "InputError", "InputProblem", "Row", "column_sets",
-           "config_path", "join_negative_values", "judge", "raise_problems", "render"]  # fmt: skip
+           "config_path", "join_negative_values", "judge", "normalize_argv", "raise_problems", "render"]  # fmt: skip

@@ -24,7 +24,7 @@ from ..kinds import TrainerKind, get_kind
 from ..testing import toy
 from . import preflight
 from .data import load_checked_split, load_split, load_train_dataset
-from .inputs import InputError, join_negative_values
+from .inputs import InputError, normalize_argv
 from .rewards import BUILTIN_REWARDS, TRL_REWARDS, load_reward_funcs
 
 
@@ -132,8 +132,7 @@ def parse_args(
             (TRL's, transformers' or the `safety_*` and `nan_*` checks), with their message.
     """
     parser = make_parser(kind, config_class, prog)
-    argv = [part for arg in (sys.argv[1:] if argv is None else argv) for part in _split_config(arg)]
-    argv = join_negative_values(argv)  # `--learning_rate -1e-5`: argparse would take `-1e-5` for a flag
+    argv = normalize_argv(sys.argv[1:] if argv is None else argv)  # `--learning_rate -1e-5`, `--config=x`
     preflight.check_argv(argv)
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
@@ -144,11 +143,6 @@ def parse_args(
     if announce_cpu and training_args.use_cpu and not has_accelerator() and training_args.process_index == 0:
         logger.warning("safe_trainers: no GPU found, training on the CPU (`use_cpu=True`).")
     return script_args, training_args, model_args
-
-
-def _split_config(arg: str) -> list[str]:
-    """`--config=x` as `--config x`, the form TRL's parser reads."""
-    return arg.split("=", 1) if arg.startswith("--config=") else [arg]
 
 
 def model_and_peft(kind: str, model_args: ModelConfig, training_args: Any) -> tuple[str, Any, Any]:

@@ -8,7 +8,8 @@ import pytest
 
 from safe_trainers.scripts import hub
 from safe_trainers.scripts.inputs import (
-    INPUT_CHECKS, DataShape, Facts, InputError, column_sets, config_path, join_negative_values, judge, render,
+    INPUT_CHECKS, DataShape, Facts, InputError, column_sets, config_path, join_negative_values, judge, normalize_argv,
+    render,
 )  # fmt: skip
 from safe_trainers.scripts.places import ConfigFile, Place, is_hub_id
 
@@ -94,6 +95,7 @@ def test_negative_numbers_after_a_space_are_values():
                                           "--y=-.5", "--z=-2", "-h"]  # fmt: skip
     assert config_path(["--config", "a.yaml"]) == "a.yaml" and config_path(["--config=b.yaml"]) == "b.yaml"
     assert config_path(["--beta", "1"]) is None
+    assert normalize_argv(["--config=c.yaml", "--beta", "-0.1"]) == ["--config", "c.yaml", "--beta=-0.1"]
 
 
 def test_hub_ids_and_paths():
