@@ -28,8 +28,8 @@ Run `python launch/train_dpo.py --help` for every option (TRL's `DPOConfig` fiel
 and dataset arguments).
 """
 
-from safe_trainers.scripts.launch import main
+from safe_trainers.scripts.entry import run
 
 
 if __name__ == "__main__":
-    main("dpo")
+    run("dpo")  # a mistake in the input: one message on stderr and exit status 2

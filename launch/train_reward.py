@@ -28,8 +28,8 @@ Run `python launch/train_reward.py --help` for every option (TRL's `RewardConfig
 and dataset arguments).
 """
 
-from safe_trainers.scripts.launch import main
+from safe_trainers.scripts.entry import run
 
 
 if __name__ == "__main__":
-    main("reward")
+    run("reward")  # a mistake in the input: one message on stderr and exit status 2

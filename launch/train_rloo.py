@@ -30,8 +30,8 @@ Run `python launch/train_rloo.py --help` for every option (TRL's `RLOOConfig` fi
 and dataset arguments).
 """
 
-from safe_trainers.scripts.launch import main
+from safe_trainers.scripts.entry import run
 
 
 if __name__ == "__main__":
-    main("rloo")
+    run("rloo")  # a mistake in the input: one message on stderr and exit status 2

@@ -138,6 +138,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..kinds import get_kind
     from ..scripts.rewards import reward_name_problem
     from ..scripts.launch import has_accelerator, model_and_peft, parse_args
+    from ..scripts.preflight import check_argv, settings_problems
     from ..rules.context import build_setup
     from ..rules.stages import built_rule_ids, run_setup_rules
     from . import target
@@ -149,6 +150,7 @@ def run(ns: argparse.Namespace) -> int:
         hardware = target_hardware(ns)
         accelerate_config = target.read_yaml(ns.accelerate_config) if ns.accelerate_config else None
         launch = target.launch_from(accelerate_config, ns.num_processes)
+        check_argv(["--config", ns.config])
         config = target.read_yaml(ns.config)
         config, overrides, held = target.hold_target_fields(config, overrides)
         target_values = target.target_values(held)
@@ -166,11 +168,17 @@ def run(ns: argparse.Namespace) -> int:
     try:
         with target.config_file(config) as path:
             script_args, training_args, model_args = parse_args(
-                ns.trainer, ["--config", path, *overrides], announce_cpu=False, config_class=config_class
+                ns.trainer, ["--config", path, *overrides], announce_cpu=False, config_class=config_class,
+                prog="safe-trainers check",
             )
     except (ValueError, OSError) as error:  # the config itself is invalid (TRL's or transformers' own checks)
         problems.append(str(error))
     else:
+        # The launch scripts' input checks: a bad value fails; what this machine lacks (the model, the dataset) is
+        # noted, since the run may train elsewhere. The Hub is decided about here, before `config.json` is read.
+        found = settings_problems(script_args, training_args, model_args, say=print)
+        problems += [p.message for p in found if not p.local]
+        notes = [p.message for p in found if p.local]
         if get_kind(ns.trainer).online:  # the launch scripts load them: a name they would refuse is refused here
             problems += [p for p in map(reward_name_problem, script_args.reward_funcs) if p is not None]
     if problems:
@@ -189,7 +197,9 @@ def run(ns: argparse.Namespace) -> int:
     settings = SafetyArguments.from_config(training_args)
     _, report = run_setup_rules(setup, settings, raise_blocked=False)
     report.hardware = f"{hardware.source}; {launch.describe()}"
-    if setup.model_config is None and model:
+    for note in notes:
+        print(f"note: {note}")
+    if setup.model_config is None and model and not any(n.startswith("`model_name_or_path=") for n in notes):
         print(
             f"note: could not read `config.json` for `{model}` and its name says no known family; model-specific "
             "rules were not checked."

@@ -4,7 +4,7 @@ or the toy dataset of the trainer kind."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..kinds import get_kind
 from ..testing import toy
@@ -64,6 +64,25 @@ def _mixture_split(script_args: ScriptArguments, split: str) -> Dataset:
     return mixture[split]
 
 
+def load_checked_split(kind: str, script_args: ScriptArguments, training_args: Any, split: str) -> Dataset:
+    """[`load_split`], with a failure to read the user's data and a split without rows or columns the trainer reads
+    raised as an [`InputError`] (before the model is loaded)."""
+    from datasets.exceptions import DatasetGenerationError
+
+    from . import preflight
+
+    name = script_args.dataset_name
+    try:
+        dataset = load_split(kind, script_args, split)
+    except (ConnectionError, FileNotFoundError, DatasetGenerationError) as error:
+        wrapped = preflight.load_error(None if script_args.datasets else name, error)
+        if wrapped is None:
+            raise
+        raise wrapped from error
+    preflight.check_data(kind, name, dataset, split, training_args)
+    return dataset
+
+
 def load_train_dataset(kind: str, script_args: ScriptArguments) -> Dataset:
     """The training split (`script_args.dataset_train_split`); see [`load_split`] for the accepted sources."""
     return load_split(kind, script_args, script_args.dataset_train_split)
@@ -73,4 +92,4 @@ def _is_saved_to_disk(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
 
 
-__all__ = ["DATA_FILE_BUILDERS", "load_split", "load_train_dataset"]
+__all__ = ["DATA_FILE_BUILDERS", "load_checked_split", "load_split", "load_train_dataset"]

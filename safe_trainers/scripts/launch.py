@@ -22,7 +22,9 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from ..kinds import TrainerKind, get_kind
 from ..testing import toy
-from .data import load_split, load_train_dataset
+from . import preflight
+from .data import load_checked_split, load_split, load_train_dataset
+from .inputs import InputError, normalize_argv
 from .rewards import BUILTIN_REWARDS, TRL_REWARDS, load_reward_funcs
 
 
@@ -72,13 +74,26 @@ def has_accelerator() -> bool:
     )
 
 
-def make_parser(kind: str, config_class: type | None = None) -> TrlParser:
+class ScriptParser(TrlParser):
+    """TRL's parser, whose usage errors (a flag without its value, a value of the wrong type) raise an [`InputError`]
+    of one line instead of printing the usage of every option and exiting."""
+
+    help_command = "python launch/train_<kind>.py --help"  # set per kind by `make_parser`
+
+    def error(self, message: str):
+        raise InputError(text=f"{message}. Run `{self.help_command}` for every setting and its type.")
+
+
+def make_parser(kind: str, config_class: type | None = None, prog: str | None = None) -> TrlParser:
     """TRL's parser over `(ScriptArguments, <safe config of kind>, ModelConfig)`. Without an accelerator, `use_cpu`
     defaults to `True` (a `--config` file or the command line can still set it). `config_class` replaces the safe
-    config class (`safe-trainers check` parses with one sized for the target's processes)."""
+    config class (`safe-trainers check` parses with one sized for the target's processes); `prog` names the program
+    in messages (`train_<kind>` by default)."""
     from ..configs import config_class as kind_config
 
-    parser = TrlParser((ScriptArguments, config_class or kind_config(kind), ModelConfig), prog=f"train_{kind}")
+    dataclasses = (ScriptArguments, config_class or kind_config(kind), ModelConfig)
+    parser = ScriptParser(dataclasses, prog=prog or f"train_{kind}")
+    parser.help_command = f"python launch/train_{kind}.py --help"
     if not has_accelerator():
         # transformers refuses bf16 (the TRL default) without a GPU unless `use_cpu=True`.
         parser.set_defaults(use_cpu=True)
@@ -86,7 +101,11 @@ def make_parser(kind: str, config_class: type | None = None) -> TrlParser:
 
 
 def parse_args(
-    kind: str, argv: list[str] | None = None, announce_cpu: bool = True, config_class: type | None = None
+    kind: str,
+    argv: list[str] | None = None,
+    announce_cpu: bool = True,
+    config_class: type | None = None,
+    prog: str | None = None,
 ) -> tuple[ScriptArguments, Any, ModelConfig]:
     """Parse `argv` (default `sys.argv[1:]`): an optional YAML `--config` file, then command-line overrides.
 
@@ -101,14 +120,26 @@ def parse_args(
             nothing, turns it off).
         config_class (`type`, *optional*):
             Parse into this subclass of the kind's safe config instead (see [`make_parser`]).
+        prog (`str`, *optional*):
+            The program named in messages (see [`make_parser`]).
 
     Returns:
         `tuple[ScriptArguments, Config, ModelConfig]`: script arguments, the safe trainer config (TRL fields plus
         `safety_*` and `nan_*`) and the model arguments.
+
+    Raises:
+        InputError: for a `--config` file that cannot be read, a usage error, or a setting the config classes refuse
+            (TRL's, transformers' or the `safety_*` and `nan_*` checks), with their message.
     """
-    parser = make_parser(kind, config_class)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    parser = make_parser(kind, config_class, prog)
+    argv = normalize_argv(sys.argv[1:] if argv is None else argv)  # `--learning_rate -1e-5`, `--config=x`
+    preflight.check_argv(argv)
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    except InputError:
+        raise
+    except ValueError as error:  # a config class's own check of a setting (a user's mistake, with its message)
+        raise InputError(text=str(error)) from error
     if announce_cpu and training_args.use_cpu and not has_accelerator() and training_args.process_index == 0:
         logger.warning("safe_trainers: no GPU found, training on the CPU (`use_cpu=True`).")
     return script_args, training_args, model_args
@@ -217,12 +248,12 @@ def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, m
     kwargs: dict[str, Any] = dict(
         model=model,
         args=training_args,
-        train_dataset=load_train_dataset(kind, script_args),
+        train_dataset=load_checked_split(kind, script_args, training_args, script_args.dataset_train_split),
         peft_config=peft_config,
         quantization_config=get_quantization_config(model_args),
     )
     if training_args.eval_strategy != "no":
-        kwargs["eval_dataset"] = load_split(kind, script_args, script_args.dataset_test_split)
+        kwargs["eval_dataset"] = load_checked_split(kind, script_args, training_args, script_args.dataset_test_split)
     if row.online:
         kwargs["reward_funcs"] = load_reward_funcs(script_args.reward_funcs)
     from ..trainers import trainer_class
@@ -231,12 +262,17 @@ def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, m
 
 
 def main(kind: str, argv: list[str] | None = None) -> Trainer:
-    """Parse `argv`, build the `safe_trainers` trainer of `kind`, train, save to `output_dir`, and return the trainer.
+    """Parse `argv`, check the input, build the `safe_trainers` trainer of `kind`, train, save to `output_dir`, and
+    return the trainer.
 
     The process group is destroyed at the end (`trainer.end()`), so the returned trainer is for reading its state
     (`trainer.state`, `trainer.safety_report`), not for more distributed work.
+
+    Raises:
+        InputError: for a setting, model or dataset that cannot work (`scripts.inputs`), before any model is loaded.
     """
     script_args, training_args, model_args = parse_args(kind, argv)
+    preflight.check_settings(script_args, training_args, model_args)
     trainer = build_trainer(kind, script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if trainer.is_fsdp_enabled:  # with sharded state dicts, transformers' `save_model` writes no model under FSDP

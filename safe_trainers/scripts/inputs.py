@@ -1,0 +1,290 @@
+"""The input checks of the launch scripts and `safe-trainers check`: one table of setting -> check -> fix.
+
+Each row judges one setting at the earliest stage where it can be judged, as a pure function of the value given and
+the facts observed about this machine ([`~safe_trainers.scripts.places`], [`~safe_trainers.scripts.hub`]):
+
+- `"argv"`: the command line, before it is parsed (the `--config` file);
+- `"settings"`: the parsed settings, before any model or dataset is loaded (`learning_rate`, the model, the dataset);
+- `"data"`: the loaded dataset, before the model is loaded (its rows and columns).
+
+A problem names the setting, the value received and the fix. The launch scripts print every problem of a stage as one
+message and exit with status 2 (`scripts.entry`); `safe-trainers check` fails with exit 2 on a problem with a value,
+and notes a problem with what this machine holds (`Row.local`: a path, the cache, the Hub), since it lints a run that
+may train elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .hub import HubAccess
+from .places import DATA_FILE_EXTENSIONS, ConfigFile, Place
+
+
+Stage = Literal["argv", "settings", "data"]
+Verdict = tuple[str, str] | None  # (what is wrong, the fix), or None when the value is fine
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """A loaded split, as the data checks see it: `kind` (the trainer kind), the split name, its row count and columns,
+    and the SFT text column (`dataset_text_field`)."""
+
+    kind: str
+    split: str
+    rows: int | None
+    columns: tuple[str, ...]
+    text_field: str = "text"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the checks read besides the values: the `--config` file, the model and dataset places, the Hub decision
+    and the loaded split. `None` where a stage has not observed it."""
+
+    config: ConfigFile | None = None
+    model: Place | None = None
+    dataset: Place | None = None
+    hub: HubAccess | None = None
+    data: DataShape | None = None
+
+
+@dataclass(frozen=True)
+class InputProblem:
+    """One setting that cannot work as given.
+
+    Args:
+        setting (`str`): the setting's name, as on the command line without `--`.
+        value (`Any`): the value received.
+        problem (`str`): what is wrong, completing "`setting=value` ...".
+        fix (`str`): what to do instead.
+        local (`bool`): the problem is about what this machine holds, not about the value (`check` notes it).
+    """
+
+    setting: str
+    value: Any
+    problem: str
+    fix: str
+    local: bool = False
+
+    @property
+    def message(self) -> str:
+        return f"`{self.setting}={self.value!r}` {self.problem}. {self.fix}"
+
+
+class InputError(ValueError):
+    """The input cannot run: every problem found at one stage, in one message. A `ValueError`, as TRL's parser raises
+    for a bad setting. `problems` is empty when the message comes from a parser or a config class."""
+
+    def __init__(self, problems: Sequence[InputProblem] = (), text: str | None = None):
+        self.problems = tuple(problems)
+        super().__init__(text if text is not None else render(self.problems))
+
+
+def render(problems: Sequence[InputProblem]) -> str:
+    """One message for `problems`: the problem itself when there is one, a count and one line each otherwise."""
+    if len(problems) == 1:
+        return problems[0].message
+    return f"{len(problems)} settings need a fix:\n" + "\n".join(f"  - {p.message}" for p in problems)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One input check: `setting` is judged at `stage` by `judge(value, facts)`; `local` as in [`InputProblem`]."""
+
+    setting: str
+    stage: Stage
+    judge: Callable[[Any, Facts], Verdict]
+    local: bool = False
+    doc: str = field(default="", compare=False)
+
+
+def _config_file(path: str, facts: Facts) -> Verdict:
+    config = facts.config
+    if config is None or config.state == "mapping":
+        return None
+    example = "Pass a YAML file of settings, e.g. `--config configs/trainers/dpo.yaml`"
+    return {
+        "missing": ("names no file (looked from the current directory)", f"Check the path. {example}."),
+        "directory": ("is a directory, not a YAML file", f"{example}."),
+        "not_mapping": ("does not hold a mapping of settings (`name: value` lines)", f"{example}."),
+        "unreadable": (f"could not be read as YAML: {config.error}", "Fix the line named above."),
+    }[config.state]
+
+
+def _learning_rate(value: float, facts: Facts) -> Verdict:
+    if value is None or (math.isfinite(value) and value >= 0):
+        return None
+    problem = "is negative" if math.isfinite(value) else "is not a finite number"
+    return problem, "Pass a positive step size, e.g. `--learning_rate 1e-5` (or `--learning_rate=1e-5`)."
+
+
+def _offline(facts: Facts) -> bool:
+    return facts.hub is not None and not facts.hub.online
+
+
+def _model(name: str | None, facts: Facts) -> Verdict:
+    place = facts.model
+    if not name or place is None:
+        return None
+    saved = "the directory `save_pretrained` wrote (it holds `config.json`)"
+    if place.kind == "dir":
+        return None if place.model_files else (f"is a directory without `config.json` ({place.absolute})",
+                                               f"Point it at {saved}.")  # fmt: skip
+    if place.kind == "file":
+        return f"is a file ({place.absolute}), not a model directory", f"Point it at {saved}."
+    if not place.hub_id:
+        return f"does not exist (nothing at {place.absolute})", f"Check the path, or point it at {saved}."
+    if place.cached:
+        return None
+    if _offline(facts):
+        return (
+            f"is not a local directory (nothing at {place.absolute}) nor in the local Hugging Face cache, and the Hub "
+            "cannot be used here",
+            f"Point it at {saved}, or run `hf download {name}` where the Hub is reachable and copy "
+            "`~/.cache/huggingface/hub` here.",
+        )
+    if place.on_hub is False:
+        return (
+            f"is not a local directory (nothing at {place.absolute}) nor a model on the Hugging Face Hub",
+            f"Check the spelling, or point it at {saved}; for a private or gated model, log in with `hf auth login`.",
+        )
+    return None
+
+
+def _dataset(name: str | None, facts: Facts) -> Verdict:
+    place = facts.dataset
+    if not name or place is None:
+        return None
+    formats = "a JSON, JSONL or Parquet file, or a `save_to_disk` folder"
+    if place.kind == "dir":
+        return None
+    if place.kind == "file":
+        if not place.absolute.lower().endswith(DATA_FILE_EXTENSIONS):
+            return f"is a file of a type the launch scripts do not read ({place.absolute})", f"Pass {formats}."
+        if place.empty:
+            return f"is an empty file ({place.absolute})", "Put the training examples in it, one JSON object per line."
+        return None
+    if not place.hub_id:
+        return f"does not exist (nothing at {place.absolute})", f"Check the path; pass {formats}, or a Hub dataset id."
+    if place.cached or not _offline(facts):
+        return None
+    return (
+        f"is not a local file or folder (nothing at {place.absolute}) nor in the local cache, and the Hub cannot be "
+        "used here",
+        f"Pass {formats} (`--dataset_name path/to/train.jsonl`), or run `hf download --repo-type dataset {name}` "
+        "where the Hub is reachable and copy `~/.cache/huggingface/hub` here.",
+    )
+
+
+# The columns each trainer reads from a raw (or pre-tokenized) dataset: any one set is enough. `{text}` is SFT's
+# `dataset_text_field`.
+DATA_COLUMNS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "sft": (("{text}",), ("messages",), ("conversations",), ("prompt", "completion"), ("input_ids",)),
+    "reward": (("chosen", "rejected"), ("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids")),
+    "dpo": (("chosen", "rejected"),),
+    "kto": (("prompt", "completion", "label"), ("chosen", "rejected")),
+    "grpo": (("prompt",),),
+    "rloo": (("prompt",),),
+}
+
+
+def column_sets(shape: DataShape) -> list[tuple[str, ...]]:
+    """The column sets the trainer of `shape.kind` accepts, with SFT's text column filled in. Pure."""
+    return [tuple(shape.text_field if c == "{text}" else c for c in s) for s in DATA_COLUMNS.get(shape.kind, ())]
+
+
+def _rows(name: str | None, facts: Facts) -> Verdict:
+    shape = facts.data
+    if shape is None or shape.rows is None or shape.rows > 0:
+        return None
+    return f"has no rows in split {shape.split!r}", "Put the training examples in it, or name the split that has them."
+
+
+def _columns(name: str | None, facts: Facts) -> Verdict:
+    shape = facts.data
+    if shape is None or not shape.columns:
+        return None
+    accepted = column_sets(shape)
+    if not accepted or any(set(s) <= set(shape.columns) for s in accepted):
+        return None
+    wanted = " or ".join("`" + "`, `".join(s) + "`" for s in accepted)
+    return (
+        f"has the columns {list(shape.columns)} in split {shape.split!r}, and {shape.kind} training reads {wanted}",
+        "Rename the columns (`Dataset.rename_column`) or pass a dataset in that format.",
+    )
+
+
+INPUT_CHECKS: tuple[Row, ...] = (
+    Row("config", "argv", _config_file, doc="the YAML file exists and holds a mapping of settings"),
+    Row("learning_rate", "settings", _learning_rate, doc="a finite number >= 0"),
+    Row("model_name_or_path", "settings", _model, local=True,
+        doc="a model directory here, or a Hub id that is cached or on a reachable Hub"),
+    Row("dataset_name", "settings", _dataset, local=True,
+        doc="a JSON/JSONL/Parquet file with rows, a folder, or a Hub id that is cached or on a reachable Hub"),
+    Row("dataset_name", "data", _rows, doc="the split has rows"),
+    Row("dataset_name", "data", _columns, doc="the split has the columns the trainer reads"),
+)  # fmt: skip
+
+
+def judge(stage: Stage, values: dict[str, Any], facts: Facts) -> list[InputProblem]:
+    """The problems of the settings in `values` at `stage`, in table order (a setting absent from `values` is not
+    judged). Pure."""
+    problems = []
+    for row in INPUT_CHECKS:
+        if row.stage != stage or row.setting not in values:
+            continue
+        verdict = row.judge(values[row.setting], facts)
+        if verdict is not None:
+            problems.append(InputProblem(row.setting, values[row.setting], *verdict, local=row.local))
+    return problems
+
+
+def raise_problems(problems: Sequence[InputProblem]) -> None:
+    if problems:
+        raise InputError(problems)
+
+
+def join_negative_values(argv: Sequence[str]) -> list[str]:
+    """`--name -1e-5` as `--name=-1e-5`, so that a negative number after a space is read as the value, not as a flag
+    (argparse takes `-1e-5` for an option). Pure."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _is_negative_number(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _is_negative_number(text: str) -> bool:
+    if not text.startswith("-") or text.startswith("--"):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` as TRL's parser reads it: `--config=x` as `--config x`, and [`join_negative_values`]. Pure."""
+    split = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    return join_negative_values(split)
+
+
+def config_path(argv: Sequence[str]) -> str | None:
+    """The `--config` path in `argv` (`--config x` or `--config=x`), or `None`. Pure."""
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+__all__ = ["DATA_COLUMNS", "DataShape", "Facts", "INPUT_CHECKS", "InputError", "InputProblem", "Row", "column_sets",
+           "config_path", "join_negative_values", "judge", "normalize_argv", "raise_problems", "render"]  # fmt: skip
