@@ -27,7 +27,9 @@ class CommandError(ValueError):
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 _MODULE = re.compile(r"^openrlhf\.cli\.(\w+)$")
-_SCRIPT = re.compile(r"^(train_\w+)\.py$")
+# Before 0.3.6 every step was a script in `examples/`, started as `deepspeed ../train_rm.py ...` or
+# `python ../batch_inference.py ...`: the trainers, and the steps that load a model without training it.
+_SCRIPT = re.compile(r"^(train_\w+|batch_inference|interactive_chat)\.py$")
 
 
 def is_option(token: str) -> bool:
@@ -100,11 +102,19 @@ class OpenRLHFCommand:
     def option_names(self) -> list[str]:
         return [item.name for item in self.items if item.name is not None and item.name.startswith("--")]
 
+    @property
+    def examples_script(self) -> bool:
+        """Whether the entry point is one of the `examples/*.py` scripts of OpenRLHF <= 0.3.5 (`../train_rm.py`,
+        `../batch_inference.py`), not a module or the file of an `openrlhf/cli` module run by its path."""
+        entry = self.launcher[-1].replace(os.sep, "/")
+        return entry.endswith(".py") and "openrlhf/cli/" not in entry
+
 
 def parse_command(argv: Sequence[str]) -> OpenRLHFCommand:
     """Split `argv` at its OpenRLHF entry point: `openrlhf.cli.<x>` (after `--module`/`-m`; a trainer, `serve_rm`,
-    `batch_inference`, or any other) or a `train_<x>.py` script (releases before 0.3.6). Whether rules apply to the
-    entry point is the caller's decision (see `ENTRY_POINTS`).
+    `batch_inference`, or any other) or a script of releases before 0.3.6 (`train_<x>.py`, `batch_inference.py`,
+    `interactive_chat.py`, under any directory). Whether rules apply to the entry point is the caller's decision (see
+    `ENTRY_POINTS`).
 
     Raises:
         `CommandError`: `argv` is empty or names no OpenRLHF trainer.
@@ -122,8 +132,9 @@ def parse_command(argv: Sequence[str]) -> OpenRLHFCommand:
     named = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t in ("-m", "--module")), argv[0])
     raise CommandError(
         f"no OpenRLHF entry point in the command (`{named}` is not one): expected `deepspeed --module "
-        "openrlhf.cli.train_<x> ...`, `python -m openrlhf.cli.train_ppo_ray ...` or "
-        "`deepspeed path/to/train_<x>.py ...`."
+        "openrlhf.cli.train_<x> ...`, `python -m openrlhf.cli.train_ppo_ray ...`, or a script of OpenRLHF <= 0.3.5: "
+        "`deepspeed path/to/train_<x>.py ...`, `deepspeed path/to/batch_inference.py ...`, `python "
+        "path/to/batch_inference.py ...`, `deepspeed path/to/interactive_chat.py ...`."
     )
 
 
@@ -138,7 +149,10 @@ def detect_generations(command: OpenRLHFCommand) -> tuple[tuple[Generation, ...]
     if dotted:
         return (DOTTED,), f"`{dotted[0]}`"
     markers: list[tuple[str, set[Generation]]] = []
+    if command.examples_script:  # the `examples/` scripts were replaced by `openrlhf.cli` modules in 0.3.6
+        markers.append((command.launcher[-1], {LEGACY}))
     flat = next((n for n in names if not fits_dotted(n)), None)  # a flat flag that >= 0.10.2 no longer has
+    flat_at = len(markers)  # where the flat flag's marker is: it tells the range, not the release
     if flat is not None:
         markers.append((flat, {LEGACY, ATTN_IMPL, PARAM_DTYPE}))
     checks = (
@@ -162,7 +176,7 @@ def detect_generations(command: OpenRLHFCommand) -> tuple[tuple[Generation, ...]
             )
         candidates &= allowed
     ordered = tuple(g for g in GENERATIONS if g in candidates)
-    telling = ", ".join(f"`{name}`" for name, _ in markers[1 if flat is not None else 0 :])
+    telling = ", ".join(f"`{name}`" for i, (name, _) in enumerate(markers) if flat is None or i != flat_at)
     reason = telling or (f"undotted flags such as `{flat}`" if flat else "no version-specific flag")
     return ordered, reason
 
