@@ -27,8 +27,7 @@ class CommandError(ValueError):
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 _MODULE = re.compile(r"^openrlhf\.cli\.(\w+)$")
-# Before 0.3.6 every step was a script in `examples/`, started as `deepspeed ../train_rm.py ...` or
-# `python ../batch_inference.py ...`: the trainers, and the steps that load a model without training it.
+# Before 0.3.6 every step was a script of `examples/` (`deepspeed ../train_rm.py`, `python ../batch_inference.py`).
 _SCRIPT = re.compile(r"^(train_\w+|batch_inference|interactive_chat)\.py$")
 
 
@@ -104,8 +103,7 @@ class OpenRLHFCommand:
 
     @property
     def examples_script(self) -> bool:
-        """Whether the entry point is one of the `examples/*.py` scripts of OpenRLHF <= 0.3.5 (`../train_rm.py`,
-        `../batch_inference.py`), not a module or the file of an `openrlhf/cli` module run by its path."""
+        """Whether the entry point is an `examples/*.py` script of OpenRLHF <= 0.3.5 (not an `openrlhf/cli` file)."""
         entry = self.launcher[-1].replace(os.sep, "/")
         return entry.endswith(".py") and "openrlhf/cli/" not in entry
 
@@ -113,8 +111,7 @@ class OpenRLHFCommand:
 def parse_command(argv: Sequence[str]) -> OpenRLHFCommand:
     """Split `argv` at its OpenRLHF entry point: `openrlhf.cli.<x>` (after `--module`/`-m`; a trainer, `serve_rm`,
     `batch_inference`, or any other) or a script of releases before 0.3.6 (`train_<x>.py`, `batch_inference.py`,
-    `interactive_chat.py`, under any directory). Whether rules apply to the entry point is the caller's decision (see
-    `ENTRY_POINTS`).
+    `interactive_chat.py`). Whether rules apply to the entry point is the caller's decision (see `ENTRY_POINTS`).
 
     Raises:
         `CommandError`: `argv` is empty or names no OpenRLHF trainer.
@@ -132,9 +129,8 @@ def parse_command(argv: Sequence[str]) -> OpenRLHFCommand:
     named = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t in ("-m", "--module")), argv[0])
     raise CommandError(
         f"no OpenRLHF entry point in the command (`{named}` is not one): expected `deepspeed --module "
-        "openrlhf.cli.train_<x> ...`, `python -m openrlhf.cli.train_ppo_ray ...`, or a script of OpenRLHF <= 0.3.5: "
-        "`deepspeed path/to/train_<x>.py ...`, `deepspeed path/to/batch_inference.py ...`, `python "
-        "path/to/batch_inference.py ...`, `deepspeed path/to/interactive_chat.py ...`."
+        "openrlhf.cli.train_<x> ...`, `python -m openrlhf.cli.train_ppo_ray ...`, or a script of OpenRLHF <= 0.3.5 "
+        "(`deepspeed path/to/train_<x>.py ...`, `python path/to/batch_inference.py ...`)."
     )
 
 
@@ -149,12 +145,11 @@ def detect_generations(command: OpenRLHFCommand) -> tuple[tuple[Generation, ...]
     if dotted:
         return (DOTTED,), f"`{dotted[0]}`"
     markers: list[tuple[str, set[Generation]]] = []
-    if command.examples_script:  # the `examples/` scripts were replaced by `openrlhf.cli` modules in 0.3.6
-        markers.append((command.launcher[-1], {LEGACY}))
     flat = next((n for n in names if not fits_dotted(n)), None)  # a flat flag that >= 0.10.2 no longer has
-    flat_at = len(markers)  # where the flat flag's marker is: it tells the range, not the release
     if flat is not None:
         markers.append((flat, {LEGACY, ATTN_IMPL, PARAM_DTYPE}))
+    if command.examples_script:  # the `examples/` scripts were replaced by `openrlhf.cli` modules in 0.3.6
+        markers.append((command.launcher[-1], {LEGACY}))
     checks = (
         ("--param_dtype", (PARAM_DTYPE,), {PARAM_DTYPE}),
         ("--flash_attn", (LEGACY,), {LEGACY}),
@@ -176,7 +171,7 @@ def detect_generations(command: OpenRLHFCommand) -> tuple[tuple[Generation, ...]
             )
         candidates &= allowed
     ordered = tuple(g for g in GENERATIONS if g in candidates)
-    telling = ", ".join(f"`{name}`" for i, (name, _) in enumerate(markers) if flat is None or i != flat_at)
+    telling = ", ".join(f"`{name}`" for name, _ in markers[1 if flat is not None else 0 :])
     reason = telling or (f"undotted flags such as `{flat}`" if flat else "no version-specific flag")
     return ordered, reason
 

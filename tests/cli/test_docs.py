@@ -110,4 +110,5 @@ def test_links_to_a_section_resolve_and_settings_points_to_the_rule_matrix():
              for target, anchor in re.findall(r"\]\(([\w/.\-]*\.md)?#([\w\-]+)\)", page.read_text())]  # fmt: skip
     assert len(links) > 20
     for page, target, anchor in links:
-        assert anchor in heading_anchors((page.parent / target if target else page).read_text()), (page, target, anchor)
+        text = (page.parent / target if target else page).read_text()
+        assert anchor in heading_anchors(text), (page, target, anchor)

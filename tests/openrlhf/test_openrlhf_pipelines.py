@@ -134,8 +134,9 @@ def test_an_ambiguous_gemma2_command_is_refused_with_the_fix_for_each_release():
 # scripts build the command in a heredoc and let the shell split it). Commands in the style of those scripts.
 SCRIPT_FORMS = [
     # rejection sampling: generate with vLLM (plain `python`: vLLM starts its own workers) ...
-    ["python", "../batch_inference.py", "--eval_task", "generate_vllm", "--pretrain", "OpenLLMAI/Llama-3-8b-sft-mixture",
-     "--bf16", "--max_new_tokens", "1024", "--prompt_max_len", "1024", "--dataset", "OpenLLMAI/prompt-collection-v0.1",
+    ["python", "../batch_inference.py", "--eval_task", "generate_vllm", "--pretrain",
+     "OpenLLMAI/Llama-3-8b-sft-mixture", "--bf16", "--max_new_tokens", "1024", "--prompt_max_len", "1024",
+     "--dataset", "OpenLLMAI/prompt-collection-v0.1",
      "--input_key", "context_messages", "--apply_chat_template", "--temperature", "0.9", "--zero_stage", "0",
      "--best_of_n", "4", "--enable_prefix_caching", "--tp_size", "2", "--max_num_seqs", "64", "--iter", "0",
      "--rollout_batch_size", "1024", "--output_path", "ckpt/generate.jsonl"],
