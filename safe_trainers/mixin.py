@@ -20,6 +20,7 @@ from .guard.trainer_hooks import NanGuardTrainerMixin
 from .kinds import get_kind
 from .rules.report import SafetyReport
 from .rules.context import TrainerSetup, build_setup
+from .rules.engine import select_rules
 from .rules.stages import run_built_rules, run_setup_rules
 
 
@@ -86,7 +87,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         self.safety_settings = settings
         self.safety_report = report
         run_built_rules(self, settings, report, source_rows)
-        self._publish_safety_report()
+        self._publish_safety_report(settings)
         if settings.nan_guard:
             self.nan_guard = NanGuard(self, settings)
             # Right after the flow callback (which decides whether this step logs, evaluates or saves) and before
@@ -126,12 +127,11 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             processing_class=arguments.get("processing_class"),
         )
 
-    def _publish_safety_report(self) -> None:
+    def _publish_safety_report(self, settings: SafetyArguments) -> None:
+        """Write the report to `output_dir` and print it on the main process: in full when a rule fired, else one
+        line (see [`SafetyReport.construction_summary`])."""
         if not self.is_world_process_zero():
             return
-        text = self.safety_report.render()
-        if any(f.action in ("fixed", "warned") for f in self.safety_report.findings):
-            logger.warning(text)
-        else:
-            logger.info(text)
-        self.safety_report.write_json(self.args.output_dir)
+        path = self.safety_report.write_json(self.args.output_dir)
+        enabled, _ = select_rules(self._safety_kind, settings)
+        logger.warning(self.safety_report.construction_summary(len(enabled), settings.nan_guard, path))

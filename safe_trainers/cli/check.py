@@ -23,7 +23,9 @@ examples:
 Arguments the check does not know are config overrides (TRL's flags, e.g. `--fp16 true`), as for the launch
 scripts; `--` before them is optional.
 Exit codes: 0 no finding about your settings (a changed library default, such as TRL's `logging_nan_inf_filter=True`,
-is reported apart and does not count), 1 `safety_mode=strict` would fail, 2 the config is invalid for the target."""
+is reported apart and does not count), 1 `safety_mode=strict` would fail, 2 the config is invalid for the target.
+A `reward_funcs` name the launch scripts cannot build (open-r1's `accuracy`, `code`, ...) is a warning on stderr and
+does not change the exit code: the launch scripts refuse it, a script of your own may resolve it."""
 
 
 def _bool(text: str) -> bool:
@@ -136,7 +138,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..arguments import SafetyArguments
     from ..configs import config_class as kind_config
     from ..kinds import get_kind
-    from ..scripts.rewards import reward_name_problem
+    from ..scripts.rewards import unbuilt_reward_warning
     from ..scripts.launch import has_accelerator, model_and_peft, parse_args
     from ..scripts.preflight import check_argv, settings_problems
     from ..rules.context import build_setup
@@ -165,6 +167,7 @@ def run(ns: argparse.Namespace) -> int:
         overrides += ["--use_cpu", "true"]
     config_class = target.config_class_for(kind_config(ns.trainer), launch.num_processes)
     problems = target.target_problems(target_values, hardware)
+    warnings_ = []
     try:
         with target.config_file(config) as path:
             script_args, training_args, model_args = parse_args(
@@ -179,13 +182,15 @@ def run(ns: argparse.Namespace) -> int:
         found = settings_problems(script_args, training_args, model_args, say=print)
         problems += [p.message for p in found if not p.local]
         notes = [p.message for p in found if p.local]
-        if get_kind(ns.trainer).online:  # the launch scripts load them: a name they would refuse is refused here
-            problems += [p for p in map(reward_name_problem, script_args.reward_funcs) if p is not None]
+        if get_kind(ns.trainer).online:  # a name the launch scripts refuse may be one the user's own script builds
+            warnings_ = [w for w in (unbuilt_reward_warning(n, ns.trainer) for n in script_args.reward_funcs) if w]
     if problems:
         detail = " ".join(problems)
         print(f"safe-trainers check: `{ns.config}` is not a valid {ns.trainer} config for the target: {detail}",
               file=sys.stderr)  # fmt: skip
         return 2
+    for warning in warnings_:
+        print(f"safe-trainers check: warning: {warning}", file=sys.stderr)
     if not (training_args.fp16 or training_args.bf16):
         # What `accelerate launch --config_file` would give the run; the lint is for the launch described by the
         # options, not for this shell (transformers read `ACCELERATE_MIXED_PRECISION` from it while parsing).

@@ -259,7 +259,8 @@ class NanGuard:
         restored = self._restore_last_good()
         self.state.rollbacks += 1
         self.rollbacks_this_run += 1
-        record_rollback(self.events, verdict, records, diagnosis, restored, self.state.rollbacks, self.damaged_ranks)
+        facts = (self.events, verdict, records, diagnosis, restored, self.state.rollbacks, self.damaged_ranks)
+        record_rollback(*facts, max_steps=self.trainer.state.max_steps)
 
     def abort(self, verdict: Verdict) -> None:
         """Restore the last good state, save it as a checkpoint, record an `abort` event and raise."""

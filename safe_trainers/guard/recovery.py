@@ -77,9 +77,10 @@ def record_rollback(
     restored: Restored,
     rollbacks: int,
     damaged_ranks: list[int],
+    max_steps: int | None = None,
 ) -> NanEvent:
     """Record and log the `rollback` event of a restore done on `verdict` (`rollbacks`: the count, this one
-    included; `damaged_ranks`: the ranks whose state was found non-finite)."""
+    included; `damaged_ranks`: the ranks whose state was found non-finite; `max_steps`: the run's last step)."""
     current, step, lr = restored.at_step, restored.step, restored.learning_rate
     bad = [r for r in records if r.bad]
     spiked = verdict.rollback == "loss_spike" or verdict.spikes
@@ -97,18 +98,39 @@ def record_rollback(
     if diagnosis is not None:
         detail["first_nonfinite_module"] = diagnosis
     ranks = sorted({rank for r in bad for rank in r.bad_ranks} | set(damaged_ranks))
+    skipped = {e.step for e in events.events if e.kind == "skip"}
     event = events.add(NanEvent(current, "rollback", what, ranks, detail))
-    discarded = (
-        f"the updates of steps {step + 1}-{current} are discarded, their batches are not replayed"
-        if current > step
-        else "no update is discarded (the state was damaged after the step was verified)"
-    )
     logger.warning(
         f"NaN guard: restored the weights and optimizer state of step {step} at step {current} "
-        f"({verdict.rollback}); {discarded}, and the learning rate is now {lr:.3g}. Training goes on from step "
-        f"{current}."
+        f"({verdict.rollback}); {discarded_updates(restored.discarded_steps, skipped)}, and the learning rate is now "
+        f"{lr:.3g}. "
+        + (f"Training goes on with step {current + 1}." if max_steps is None or current < max_steps else
+           "The run ends with the restored state.")  # fmt: skip
     )
     return event
+
+
+def discarded_updates(since_snapshot: list[int], skipped: set[int]) -> str:
+    """What a restore threw away, in words: the updates applied since the snapshot are discarded; the steps among
+    them that the guard skipped had no update to discard. Neither's batches are replayed."""
+    applied = [s for s in since_snapshot if s not in skipped]
+    not_applied = [s for s in since_snapshot if s in skipped]
+    if not since_snapshot:
+        return "no update is discarded (the state was damaged after the step was verified)"
+    were_skipped = f"{_steps(not_applied)} {'was' if len(not_applied) == 1 else 'were'} skipped" if not_applied else ""
+    if not applied:
+        return f"no applied update is discarded ({were_skipped})"
+    also = f" ({were_skipped})" if not_applied else ""
+    return f"the updates of {_steps(applied)} are discarded{also}, their batches are not replayed"
+
+
+def _steps(steps: list[int]) -> str:
+    """`step 9`, `steps 5-7` (a run) or `steps 5, 7`."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    if steps == list(range(steps[0], steps[-1] + 1)):
+        return f"steps {steps[0]}-{steps[-1]}"
+    return f"steps {', '.join(map(str, steps))}"
 
 
 def restore_at_end(trainer: Any, snapshotter: Snapshotter, events: EventLog, damaged_ranks: list[int]) -> Restored:

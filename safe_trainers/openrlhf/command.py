@@ -27,7 +27,8 @@ class CommandError(ValueError):
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 _MODULE = re.compile(r"^openrlhf\.cli\.(\w+)$")
-_SCRIPT = re.compile(r"^(train_\w+)\.py$")
+# Before 0.3.6 every step was a script of `examples/` (`deepspeed ../train_rm.py`, `python ../batch_inference.py`).
+_SCRIPT = re.compile(r"^(train_\w+|batch_inference|interactive_chat)\.py$")
 
 
 def is_option(token: str) -> bool:
@@ -100,11 +101,17 @@ class OpenRLHFCommand:
     def option_names(self) -> list[str]:
         return [item.name for item in self.items if item.name is not None and item.name.startswith("--")]
 
+    @property
+    def examples_script(self) -> bool:
+        """Whether the entry point is an `examples/*.py` script of OpenRLHF <= 0.3.5 (not an `openrlhf/cli` file)."""
+        entry = self.launcher[-1].replace(os.sep, "/")
+        return entry.endswith(".py") and "openrlhf/cli/" not in entry
+
 
 def parse_command(argv: Sequence[str]) -> OpenRLHFCommand:
     """Split `argv` at its OpenRLHF entry point: `openrlhf.cli.<x>` (after `--module`/`-m`; a trainer, `serve_rm`,
-    `batch_inference`, or any other) or a `train_<x>.py` script (releases before 0.3.6). Whether rules apply to the
-    entry point is the caller's decision (see `ENTRY_POINTS`).
+    `batch_inference`, or any other) or a script of releases before 0.3.6 (`train_<x>.py`, `batch_inference.py`,
+    `interactive_chat.py`). Whether rules apply to the entry point is the caller's decision (see `ENTRY_POINTS`).
 
     Raises:
         `CommandError`: `argv` is empty or names no OpenRLHF trainer.
@@ -122,8 +129,8 @@ def parse_command(argv: Sequence[str]) -> OpenRLHFCommand:
     named = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t in ("-m", "--module")), argv[0])
     raise CommandError(
         f"no OpenRLHF entry point in the command (`{named}` is not one): expected `deepspeed --module "
-        "openrlhf.cli.train_<x> ...`, `python -m openrlhf.cli.train_ppo_ray ...` or "
-        "`deepspeed path/to/train_<x>.py ...`."
+        "openrlhf.cli.train_<x> ...`, `python -m openrlhf.cli.train_ppo_ray ...`, or a script of OpenRLHF <= 0.3.5 "
+        "(`deepspeed path/to/train_<x>.py ...`, `python path/to/batch_inference.py ...`)."
     )
 
 
@@ -141,6 +148,8 @@ def detect_generations(command: OpenRLHFCommand) -> tuple[tuple[Generation, ...]
     flat = next((n for n in names if not fits_dotted(n)), None)  # a flat flag that >= 0.10.2 no longer has
     if flat is not None:
         markers.append((flat, {LEGACY, ATTN_IMPL, PARAM_DTYPE}))
+    if command.examples_script:  # the `examples/` scripts were replaced by `openrlhf.cli` modules in 0.3.6
+        markers.append((command.launcher[-1], {LEGACY}))
     checks = (
         ("--param_dtype", (PARAM_DTYPE,), {PARAM_DTYPE}),
         ("--flash_attn", (LEGACY,), {LEGACY}),

@@ -13,8 +13,10 @@ Every OpenRLHF parser is a plain `argparse.ArgumentParser()` with `allow_abbrev=
 works as the flag (`--ds.param fp16` is `--ds.param_dtype fp16`) and an ambiguous one is an error. `ABBREVIATIONS`
 holds, for every flag the rules read, its shortest unique prefix in each generation and entry point, written
 `"<shortest prefix>|<rest>"`. It was computed from the argparse blocks of every tagged OpenRLHF release (v0.0.1 to
-v0.11.0) and the 0.11.2 wheel (`serve_rm` and `batch_inference` from the `openrlhf.cli` releases that have them): within one generation the union of all releases' flags is used, so a prefix counts
-as unique only if it is unique in every release of that generation (otherwise it is left alone).
+v0.11.0) and the 0.11.2 wheel (`serve_rm` and `batch_inference` from the `openrlhf.cli` releases that have them,
+`batch_inference` also from the `examples/batch_inference.py` of the releases before 0.3.6): within one generation
+the union of all releases' flags is used, so a prefix counts as unique only if it is unique in every release of that
+generation (otherwise it is left alone).
 """
 
 from __future__ import annotations

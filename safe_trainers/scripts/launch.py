@@ -242,6 +242,8 @@ def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, m
     from trl import get_quantization_config
 
     row: TrainerKind = get_kind(kind)
+    # First the reward names: one the script cannot build is refused before any data or weight is loaded.
+    reward_funcs = load_reward_funcs(script_args.reward_funcs) if row.online else None
     _share_process_group_with_deepspeed(training_args)
     use_toy_defaults(kind, script_args, model_args, training_args)
     model, training_args, peft_config = model_and_peft(kind, model_args, training_args)
@@ -254,8 +256,8 @@ def build_trainer(kind: str, script_args: ScriptArguments, training_args: Any, m
     )
     if training_args.eval_strategy != "no":
         kwargs["eval_dataset"] = load_checked_split(kind, script_args, training_args, script_args.dataset_test_split)
-    if row.online:
-        kwargs["reward_funcs"] = load_reward_funcs(script_args.reward_funcs)
+    if reward_funcs is not None:
+        kwargs["reward_funcs"] = reward_funcs
     from ..trainers import trainer_class
 
     return trainer_class(kind)(**kwargs)

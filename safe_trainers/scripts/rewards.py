@@ -74,15 +74,61 @@ TRL_REWARDS: dict[str, tuple[str, dict[str, Any] | None]] = {
 }  # fmt: skip
 
 
+# The reward names of open-r1's GRPO script (`open_r1.rewards.get_reward_funcs`) that the launch scripts do not build,
+# with the function each names in `open_r1.rewards` and whether it is used as is (`True`) or built by open-r1's script
+# from its own settings (`False`: `code_language`, `parallel_code_exec_per_proc`, `cosine_max_len`, ...). open-r1's
+# `format` and `length` are not here: those names select this module's own `format` and `length`.
+OPEN_R1_REWARDS: dict[str, tuple[str, bool]] = {
+    "accuracy": ("accuracy_reward", True),
+    "reasoning_steps": ("reasoning_steps_reward", True),
+    "tag_count": ("tag_count_reward", True),
+    "cosine": ("get_cosine_scaled_reward", False),
+    "repetition_penalty": ("get_repetition_penalty_reward", False),
+    "code": ("code_reward", False),
+    "binary_code": ("binary_code_reward", False),
+    "ioi_code": ("ioi_code_reward", False),
+    "cf_code": ("cf_code_reward", False),
+    "code_format": ("get_code_format_reward", False),
+    "soft_overlong_punishment": ("get_soft_overlong_punishment", False),
+}
+
+
 def reward_name_problem(name: str) -> str | None:
     """Why `name` cannot select a reward function, judged from its form alone (no import), or `None`. Shared by the
-    launch scripts and `safe-trainers check`, so that what `check` accepts the scripts run."""
+    launch scripts (which refuse the name) and `safe-trainers check` (which warns: a script of the user's own may
+    resolve it), so that a config `check` passes without a warning is one the scripts run."""
     if name in BUILTIN_REWARDS or name in TRL_REWARDS or ":" in name or "." in name or os.path.isdir(name):
         return None
-    return (
+    message = (
         f"Unknown reward function {name!r} in `reward_funcs`. Use a built-in name ({', '.join(BUILTIN_REWARDS)}), one "
         f"of TRL's ({', '.join(TRL_REWARDS)}), or a `module:function` path to your own function, e.g. "
         "`--reward_funcs my_rewards:exact_match`."
+    )
+    return message if name not in OPEN_R1_REWARDS else f"{message} {open_r1_hint(name)}"
+
+
+def open_r1_hint(name: str) -> str:
+    """What `name`, a reward name of open-r1's GRPO script, is there, and how to run it with these scripts."""
+    function, plain = OPEN_R1_REWARDS[name]
+    where = f"`{name}` is the name open-r1's `grpo.py` gives `open_r1.rewards.{function}`"
+    if plain:
+        return f"{where}: with open-r1 installed, select it by path, `--reward_funcs open_r1.rewards:{function}`."
+    return (
+        f"{where}, which that script builds from its own settings: run the recipe with open-r1's script, or build the "
+        "reward in a function of your own and select it by its `module:function` path."
+    )
+
+
+def unbuilt_reward_warning(name: str, kind: str) -> str | None:
+    """For `safe-trainers check`: the warning for a reward name the launch scripts cannot build (they refuse it at
+    start-up, see [`reward_name_problem`]), or `None` for a name they build."""
+    if reward_name_problem(name) is None:
+        return None
+    hint = f" {open_r1_hint(name)}" if name in OPEN_R1_REWARDS else ""
+    return (
+        f"`reward_funcs` names {name!r}, which the shipped launch scripts cannot build: `launch/train_{kind}.py` will "
+        f"refuse this config at start-up. A training script of your own may resolve the name; the rules were run on "
+        f"the rest of the config.{hint}"
     )
 
 
@@ -144,6 +190,7 @@ def load_reward_funcs(names: list[str]) -> list[RewardFunc | str]:
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "OPEN_R1_REWARDS",
     "TRL_REWARDS",
     "completion_text",
     "count_words",
@@ -152,6 +199,8 @@ __all__ = [
     "load_reward_func",
     "load_reward_funcs",
     "make_format_reward",
+    "open_r1_hint",
     "reward_name_problem",
+    "unbuilt_reward_warning",
     "trl_reward",
 ]

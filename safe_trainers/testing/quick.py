@@ -26,11 +26,23 @@ def quick_args(**overrides: Any) -> dict[str, Any]:
         save_strategy="no",
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
-        gradient_checkpointing=False,
         seed=0,
     )
     args.update(overrides)
+    if not {"gradient_checkpointing", "activation_checkpointing"} & overrides.keys():
+        args[checkpointing_field()] = False
     return args
 
 
-__all__ = ["quick_args"]
+def checkpointing_field() -> str:
+    """The name of the activation (gradient) checkpointing switch in the installed transformers: newer releases
+    call it `activation_checkpointing` and warn (FutureWarning) when `gradient_checkpointing` is set instead."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+__all__ = ["checkpointing_field", "quick_args"]

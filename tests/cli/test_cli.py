@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 
 from safe_trainers.cli.main import main
-from safe_trainers.rules import rule_ids
+from safe_trainers.rules import DEFAULT_RULES, rule_ids
+from safe_trainers.rules.report import SafetyReport
 
 
 def test_rules_lists_every_id(capsys):
@@ -146,6 +150,40 @@ def test_demo_runs_and_recovers(tmp_path):
     assert "[fixed] precision.bf16_over_fp16" in done.stderr + done.stdout
     assert "rollback" in done.stdout and "final weights finite: True" in done.stdout
     assert "stock TRL final weights finite: False" in done.stdout
+    # What the user sees reads as a story (issue 23): the report the README shows, no deprecation notice caused by the
+    # demo's settings, and step 9 skipped, then its damaged state restored, with nothing applied thrown away.
+    assert readme_report() in done.stderr
+    assert "FutureWarning" not in done.stderr, done.stderr[:3000]
+    assert "no applied update is discarded (step 9 was skipped)" in done.stdout + done.stderr
+    assert "Training goes on with step 10." in done.stderr and "steps 9-9" not in done.stdout + done.stderr
+
+
+def readme_report() -> str:
+    """The report the README shows (the first fenced block that starts with `safe_trainers (dpo, ...`)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return re.search(r"```\n(safe_trainers \(dpo, safety_mode='fix'\).*?)\n```", readme, re.DOTALL).group(1)
+
+
+def test_the_readme_shows_the_report_the_demo_prints(tmp_path):
+    # The README's sample lacked the demo's `1 warned`; and building the demo's trainer raised transformers'
+    # `gradient_checkpointing is deprecated` FutureWarning from the demo's own settings.
+    from safe_trainers.cli.demo_run import unsafe_trainer
+    from safe_trainers.testing.toy import dataset_for, save_toy_model
+
+    model = save_toy_model(str(tmp_path / "tiny-gemma2"), "gemma2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = unsafe_trainer(model, str(tmp_path / "safe"), 12, dataset_for("dpo", 64))
+    assert trainer.safety_report.render() == readme_report()
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert not deprecated, deprecated
+
+
+def test_the_readme_shows_the_one_line_of_a_clean_construction():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = re.search(r"```\n(safe_trainers \(dpo\): \d+ safety rules run.*?)\n```", readme).group(1)
+    dpo_rules = sum("dpo" in rule.trainers for rule in DEFAULT_RULES)
+    assert line == SafetyReport("dpo", "fix").construction_summary(dpo_rules, True, "out/dpo/safety_report.json")
 
 
 def test_check_sft_fp16_on_gemma2(toy_models, tmp_path, capsys):

@@ -92,3 +92,23 @@ def test_the_readme_is_a_short_front_page_whose_links_resolve():
     for page in DOCS.rglob("*.md"):
         for link in re.findall(r"\]\(([a-z_/]+\.md)\)", page.read_text()):
             assert (page.parent / link).exists(), (page, link)
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page (lower case, punctuation dropped, spaces to `-`)."""
+    headings = re.findall(r"^#+ (.*)$", text, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_to_a_section_resolve_and_settings_points_to_the_rule_matrix():
+    settings = (DOCS / "settings.md").read_text()
+    # It promised "the matrix below the table" with neither below it: the matrix is generated into rules.md.
+    assert "below the table" not in settings
+    assert "(rules.md#which-rule-runs-for-which-trainer)" in settings
+    pages = [ROOT / "README.md", *DOCS.rglob("*.md")]
+    links = [(page, target, anchor) for page in pages
+             for target, anchor in re.findall(r"\]\(([\w/.\-]*\.md)?#([\w\-]+)\)", page.read_text())]  # fmt: skip
+    assert len(links) > 20
+    for page, target, anchor in links:
+        text = (page.parent / target if target else page).read_text()
+        assert anchor in heading_anchors(text), (page, target, anchor)

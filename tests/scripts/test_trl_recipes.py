@@ -74,13 +74,15 @@ def test_a_grpo_recipe_with_trl_rewards_is_checked_and_trained(toy_models, tmp_p
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_check_refuses_the_reward_names_the_scripts_refuse(toy_models, tmp_path, capsys, kind):
+def test_check_warns_of_the_reward_names_the_scripts_refuse(toy_models, tmp_path, capsys, kind):
     recipe = write_recipe(
         tmp_path,
         f"model_name_or_path: {toy_models['qwen2']}\ndataset_name: x.jsonl\nreward_funcs: [accuracy]\n"
         f"num_generations: 2\noutput_dir: {tmp_path / 'out'}\n",
     )
-    assert cli(["check", "--trainer", kind, "--config", recipe]) == 2
-    assert "Unknown reward function 'accuracy'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="Unknown reward function 'accuracy'"):
-        rewards.load_reward_funcs(["accuracy"])
+    # was 2 ("not a valid config"): a script of the user's own (open-r1's) may build the name, so only a warning.
+    assert cli(["check", "--trainer", kind, "--config", recipe]) == 0
+    err = capsys.readouterr().err
+    assert "warning: `reward_funcs` names 'accuracy'" in err and f"`launch/train_{kind}.py` will refuse" in err
+    with pytest.raises(ValueError, match="Unknown reward function 'accuracy'"):  # the launch scripts still refuse it
+        main(kind, ["--config", recipe, *QUICK])
