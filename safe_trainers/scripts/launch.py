@@ -274,6 +274,8 @@ def main(kind: str, argv: list[str] | None = None) -> Trainer:
         InputError: for a setting, model or dataset that cannot work (`scripts.inputs`), before any model is loaded.
     """
     script_args, training_args, model_args = parse_args(kind, argv)
+    if get_kind(kind).online:
+        preflight.check_reward_names(script_args.reward_funcs)
     preflight.check_settings(script_args, training_args, model_args)
     trainer = build_trainer(kind, script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -14,6 +14,7 @@ from typing import Any
 
 from . import hub, places
 from .inputs import DataShape, Facts, InputError, InputProblem, config_path, judge, raise_problems
+from .rewards import reward_name_problem
 
 
 def check_argv(argv: Sequence[str]) -> None:
@@ -68,6 +69,18 @@ def check_settings(script_args: Any, training_args: Any, model_args: Any) -> Non
         InputError: with every problem found.
     """
     raise_problems(settings_problems(script_args, training_args, model_args, say=say_once))
+
+
+def check_reward_names(names: Sequence[str]) -> None:
+    """The reward names a launch script cannot build, refused before any data or weight is loaded (`safe-trainers
+    check` warns about the same names instead: a script of the user's own may resolve them).
+
+    Raises:
+        InputError: naming each such reward and what to pass instead.
+    """
+    refused = [problem for problem in map(reward_name_problem, names) if problem is not None]
+    if refused:
+        raise InputError(text=" ".join(refused))
 
 
 def check_data(kind: str, name: str | None, dataset: Any, split: str, training_args: Any) -> None:
