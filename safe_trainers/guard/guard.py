@@ -294,10 +294,10 @@ class NanGuard:
         batches = self.batches.get(step)
         if not batches:  # every rank holds the batches of the same steps, so all ranks return here together
             return None
-        self.state.localized = True
-        self.replaying = True
+        self.state.localized = self.replaying = True
         try:
-            return diagnose(self.trainer, batches, step)
+            with self.watchdog.paused():  # a replay of the step's micro-batches: not timed with the step
+                return diagnose(self.trainer, batches, step)
         finally:
             self.replaying = False
 
