@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints
+from test_guard_restart import launch_restarting, steps
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
@@ -101,3 +102,20 @@ def test_the_diagnosis_replay_is_not_timed_as_part_of_the_step(toy_models, tmp_p
     trainer.train()
     assert any(e["kind"] == "skip" for e in read_events(str(tmp_path)))
     assert trainer.replays and not any(trainer.replays), trainer.replays
+
+
+@pytest.mark.distributed
+def test_sigterm_to_one_rank_during_the_last_step_stops_every_rank_as_preempted(tmp_path):
+    # Rank 1 alone gets SIGTERM feeding step 8 of 8: the agreed bit would be read at step 9, which never comes. Rank 1
+    # exited 75 and rank 0 returned (status 0), with no `preempt` event: the ranks disagreed on how the run ended.
+    # Now they agree once training ended (one collective): both exit 75 with checkpoint-8, and the restart returns
+    # the finished state without training a step.
+    results, streams = launch_restarting(tmp_path, 2, 1, "--preempt", "8:0:1", "--max_steps", "8")
+    for result, stream in zip(results, streams):
+        assert steps(stream, "fed") == {0: list(range(1, 9))}  # nothing trained after the restart, no step 9
+        assert (result["attempt"], result["global_step"], result["finite"]) == (1, 8, True)
+    run = str(tmp_path / "out" / "run")
+    events = read_events(run)
+    assert [(e["step"], e["kind"]) for e in events] == [(8, "preempt"), (8, "resume")]
+    assert (events[0]["ranks"], events[0]["finished"]) == ([1], True)
+    assert events[1]["checkpoint"] == os.path.join(run, "checkpoint-8") and events[1]["finished"] == 8
