@@ -20,6 +20,7 @@ import torch
 from transformers.trainer_callback import DefaultFlowCallback
 
 from .callback import NanGuardCallback
+from .checkpoint import checkpoint_step
 from .collectives import ranks_with_flag
 from .events import NanEvent
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback, parse_signals
@@ -71,7 +72,8 @@ def preempted_at_end(trainer: Any) -> Preempted | None:
     while training ended): the job was asked to end, so the process exits as preempted (status 75) all the same, but
     the finished state is kept first. The ranks agree whether any of them was signalled (one collective per
     `train()` call: under several ranks a signal to one rank during the last step is known to that rank only), and if
-    the last step has no checkpoint yet (`save_strategy="no"`, a step off the save interval) it is published now, so
+    the last step has no checkpoint yet (`save_strategy="no"`, a step off the save interval; a call that resumed from
+    the final checkpoint and trained nothing has one) it is published now, so
     the restart (or `resume_from_checkpoint=True`) loads the finished state and trains no step. Returns the exit to
     raise once the step record has recorded the finished call, or `None`."""
     preemption = getattr(trainer, "preemption", None)
@@ -83,7 +85,8 @@ def preempted_at_end(trainer: Any) -> Preempted | None:
         return None
     step = trainer.state.global_step
     hooks = trainer.hooks_ran
-    if hooks.steps.get("_save_checkpoint") != step or hooks.refused_save == step:
+    saved = hooks.steps.get("_save_checkpoint") == step and hooks.refused_save != step
+    if not saved and checkpoint_step(trainer.nan_guard.resumed_from or "") != step:  # not resumed at the end either
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)  # verified and staged like every checkpoint
     name = preemption.received.name if preemption.received is not None else "a signal on another rank"
     detail = {"signal": name, "received_step": preemption.received_step, "checkpoint_step": step, "finished": True}

@@ -119,3 +119,27 @@ def test_sigterm_to_one_rank_during_the_last_step_stops_every_rank_as_preempted(
     assert [(e["step"], e["kind"]) for e in events] == [(8, "preempt"), (8, "resume")]
     assert (events[0]["ranks"], events[0]["finished"]) == ([1], True)
     assert events[1]["checkpoint"] == os.path.join(run, "checkpoint-8") and events[1]["finished"] == 8
+
+
+def test_a_signal_to_a_finished_run_resumed_at_its_end_saves_nothing_again(toy_models, tmp_path):
+    # A restart (or `resume_from_checkpoint=True`) of a finished run loads its final checkpoint and trains no step; a
+    # SIGTERM then exits 75 at once. The final checkpoint is the state it stopped in: it is not written again.
+    class Recording(trainer_class("dpo")):
+        saves: ClassVar[list[int]] = []
+
+        def _save_checkpoint(self, model, trial):
+            self.saves.append(self.state.global_step)
+            return super()._save_checkpoint(model, trial)
+
+    class SignalAtBegin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = str(tmp_path / "out")
+    build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", max_steps=4).train()
+    resumed = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", max_steps=4, trainer_cls=Recording)
+    resumed.add_callback(SignalAtBegin())
+    with pytest.raises(Preempted) as caught:
+        resumed.train(resume_from_checkpoint=True)
+    assert caught.value.step == 4 and resumed.saves == []
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4"]
