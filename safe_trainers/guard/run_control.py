@@ -73,9 +73,9 @@ def preempted_at_end(trainer: Any) -> Preempted | None:
     the finished state is kept first. The ranks agree whether any of them was signalled (one collective per
     `train()` call: under several ranks a signal to one rank during the last step is known to that rank only), and if
     the last step has no checkpoint yet (`save_strategy="no"`, a step off the save interval; a call that resumed from
-    the final checkpoint and trained nothing has one) it is published now, so
-    the restart (or `resume_from_checkpoint=True`) loads the finished state and trains no step. Returns the exit to
-    raise once the step record has recorded the finished call, or `None`."""
+    the final checkpoint and trained nothing has one) it is published now, so the restart (or
+    `resume_from_checkpoint=True`) loads the finished state and trains no step. Returns the exit to raise once the
+    step record has recorded the finished call, or `None`."""
     preemption = getattr(trainer, "preemption", None)
     if preemption is None:
         return None
