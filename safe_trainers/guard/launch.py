@@ -14,8 +14,9 @@ So an agent is named by its run id and its run directory on its host ([`agent_id
 of its nodes. With `--log-dir /dev/null` the agent makes no run directory (`TORCHELASTIC_ERROR_FILE` is empty); the
 agent process itself then names it: the nearest ancestor of the worker that the agent did not start (the first
 without `TORCHELASTIC_RESTART_COUNT` in the environment it was started with, [`agent_process`]), one process for all
-the restarts of its launch, past any wrapper shell. Neither a parent process id (a wrapper script, `torchrun --no-python train.sh`, is a new shell at each
-restart) nor a file time (shared storage stamps files with its own clock) says which launch wrote something.
+the restarts of its launch, past any wrapper shell. Neither a parent process id (a wrapper script,
+`torchrun --no-python train.sh`, is a new shell at each restart) nor a file time (shared storage stamps files with its
+own clock) says which launch wrote something.
 
 A script may call `train()` several times (an SFT, then a DPO stage, in one process): [`TrainCalls`] numbers the calls
 made with one `output_dir`, so that a restarted script's first call is recognised as the same stage as before.
@@ -65,7 +66,7 @@ def agent_identity(env: Mapping[str, str], host: str | None = None, agent: Calla
 
 def find_agent(ancestors: Iterable[tuple[int, Mapping[str, str]]]) -> int | None:
     """The agent among a worker's ancestors (`(pid, environment it was started with)`, nearest first): the first the
-    agent did not start itself, i.e. without `TORCHELASTIC_RESTART_COUNT` (a wrapper shell the agent started has it)."""
+    agent did not start itself, without `TORCHELASTIC_RESTART_COUNT` (a wrapper shell the agent started has it)."""
     return next((pid for pid, env in ancestors if RESTART_COUNT not in env), None)
 
 

@@ -143,3 +143,29 @@ def test_a_signal_to_a_finished_run_resumed_at_its_end_saves_nothing_again(toy_m
         resumed.train(resume_from_checkpoint=True)
     assert caught.value.step == 4 and resumed.saves == []
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4"]
+
+
+def test_the_guards_verification_before_a_save_or_evaluation_is_timed(toy_models, tmp_path):
+    # Before each save and evaluation every rank verifies the state (a collective), between steps, where the watchdog
+    # was not armed: a rank stuck before it (a logger's upload, a callback) left the others waiting in the guard's
+    # collective for `ddp_timeout` (30 minutes), undetected. It is now timed against the hang bound, like a step.
+    trainer = build_trainer("sft", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=4, bf16=False)
+    guard, timed = trainer.nan_guard, []
+    check = guard.state_is_finite
+
+    def recording_check():
+        timed.append((trainer.state.global_step, trainer.hang_watchdog._began is not None))
+        return check()
+
+    guard.state_is_finite = recording_check  # this guard instance only: records, then checks as before
+    before = guard.before_publishing
+
+    def publishing(control):
+        if control.should_save or control.should_evaluate:
+            timed.append("publishing")
+        return before(control)
+
+    guard.before_publishing = publishing
+    trainer.train()
+    after = [timed[i + 1] for i, t in enumerate(timed[:-1]) if t == "publishing"]
+    assert after and all(was_timed for _, was_timed in after), timed
