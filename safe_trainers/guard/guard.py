@@ -169,7 +169,8 @@ class NanGuard:
         guard's may have asked for the save or evaluation, or changed the weights since the guard's check)."""
         if control.should_save or control.should_evaluate:
             self.verified_step = -1
-            self.inspect(control, verify=True)
+            with self.watchdog.armed():  # a collective every rank must reach: timed by the watchdog like a step
+                self.inspect(control, verify=True)
 
     def finish(self) -> None:
         """When `train()` returns, after every callback of the last step and of `on_train_end`: verify once more
@@ -221,10 +222,8 @@ class NanGuard:
         return verdict
 
     def state_is_finite(self) -> bool:
-        """Whether the weights and optimizer state are finite on every rank (a collective and a host sync).
-
-        The ranks whose own state is non-finite are kept in `self.damaged_ranks`.
-        """
+        """Whether the weights and optimizer state are finite on every rank (a collective and a host sync). The
+        ranks whose own state is non-finite are kept in `self.damaged_ranks`."""
         snap = self.snapshotter
         if snap is not None and snap.deepspeed_stage is not None:
             tensors = deepspeed_state_tensors(snap.optimizer, snap.deepspeed_stage)
@@ -293,10 +292,10 @@ class NanGuard:
         batches = self.batches.get(step)
         if not batches:  # every rank holds the batches of the same steps, so all ranks return here together
             return None
-        self.state.localized = True
-        self.replaying = True
+        self.state.localized = self.replaying = True
         try:
-            return diagnose(self.trainer, batches, step)
+            with self.watchdog.paused():  # a replay of the step's micro-batches: not timed with the step
+                return diagnose(self.trainer, batches, step)
         finally:
             self.replaying = False
 

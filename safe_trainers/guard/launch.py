@@ -11,8 +11,12 @@ after a crash with the same command line and environment, except for what it say
   the agent creates (`mkdtemp`) when it starts, on its host, and keeps for all its restarts: unique to one agent.
 
 So an agent is named by its run id and its run directory on its host ([`agent_identity`]), and a launch by the agents
-of its nodes. Neither a parent process id (a wrapper script, `torchrun --no-python train.sh`, is a new shell at each
-restart) nor a file time (shared storage stamps files with its own clock) says which launch wrote something.
+of its nodes. With `--log-dir /dev/null` the agent makes no run directory (`TORCHELASTIC_ERROR_FILE` is empty); the
+agent process itself then names it: the nearest ancestor of the worker that the agent did not start (the first
+without `TORCHELASTIC_RESTART_COUNT` in the environment it was started with, [`agent_process`]), one process for all
+the restarts of its launch, past any wrapper shell. Neither a parent process id (a wrapper script,
+`torchrun --no-python train.sh`, is a new shell at each restart) nor a file time (shared storage stamps files with its
+own clock) says which launch wrote something.
 
 A script may call `train()` several times (an SFT, then a DPO stage, in one process): [`TrainCalls`] numbers the calls
 made with one `output_dir`, so that a restarted script's first call is recognised as the same stage as before.
@@ -24,7 +28,7 @@ import os
 import re
 import socket
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 RUN_ID = "TORCHELASTIC_RUN_ID"
@@ -48,11 +52,42 @@ def agent_run_dir(env: Mapping[str, str]) -> str:
     return os.path.dirname(attempt_dir)
 
 
-def agent_identity(env: Mapping[str, str], host: str | None = None) -> str:
-    """This process's elastic agent: the rendezvous run id, the host and the agent's run directory on it. Without the
-    directory (a launcher other than torchrun's agent) the run id and the host are all there is."""
+def agent_identity(env: Mapping[str, str], host: str | None = None, agent: Callable[[], str] | None = None) -> str:
+    """This process's elastic agent: the rendezvous run id, the host and the agent's run directory on it; without the
+    directory (`--log-dir /dev/null`, or a launcher other than torchrun's agent), the agent's process
+    (`agent`, default [`agent_process`]) in its place, where it can be found."""
     host = host if host is not None else socket.gethostname()
-    return f"{env.get(RUN_ID, '')}@{host}:{agent_run_dir(env)}"
+    where = agent_run_dir(env)
+    if not where and RESTART_COUNT in env:
+        process = (agent or agent_process)()
+        where = f"pid:{process}" if process else ""
+    return f"{env.get(RUN_ID, '')}@{host}:{where}"
+
+
+def find_agent(ancestors: Iterable[tuple[int, Mapping[str, str]]]) -> int | None:
+    """The agent among a worker's ancestors (`(pid, environment it was started with)`, nearest first): the first the
+    agent did not start itself, without `TORCHELASTIC_RESTART_COUNT` (a wrapper shell the agent started has it)."""
+    return next((pid for pid, env in ancestors if RESTART_COUNT not in env), None)
+
+
+def agent_process() -> str:
+    """The process id of this worker's elastic agent, read from `/proc` (`""` where there is none to read)."""
+    found = find_agent(_proc_ancestors(os.getppid()))
+    return str(found) if found is not None else ""
+
+
+def _proc_ancestors(pid: int) -> Iterator[tuple[int, dict[str, str]]]:
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                pairs = (item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+                env = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return
+        yield pid, env
+        pid = parent
 
 
 def launch_agents(identities: Iterable[str]) -> tuple[str, ...]:

@@ -12,15 +12,22 @@ are timed with the step).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+import torch
 from transformers.trainer_callback import DefaultFlowCallback
 
 from .callback import NanGuardCallback
-from .preemption import Preempted, PreemptionCallback, parse_signals
+from .checkpoint import checkpoint_step
+from .collectives import ranks_with_flag
+from .events import NanEvent
+from .preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback, parse_signals
 from .restart import restart_count
 from .watchdog import HangWatchdog, generation_period
+
+logger = logging.getLogger("safe_trainers")
 
 
 def attach_run_control(trainer: Any, settings: Any) -> None:
@@ -60,13 +67,37 @@ def after_train(trainer: Any) -> None:
         trainer.preemption.restore()
 
 
-def exit_if_preempted(trainer: Any) -> None:
-    """After a run that finished although a preemption was asked for (a signal during the last step, or while
-    training ended): the job was asked to end, so the process exits as preempted (status 75) all the same."""
+def preempted_at_end(trainer: Any) -> Preempted | None:
+    """After a run that finished although a preemption was asked for (a signal during the last step, or after it
+    while training ended): the job was asked to end, so the process exits as preempted (status 75) all the same, but
+    the finished state is kept first. The ranks agree whether any of them was signalled (one collective per
+    `train()` call: under several ranks a signal to one rank during the last step is known to that rank only), and if
+    the last step has no checkpoint yet (`save_strategy="no"`, a step off the save interval; a call that resumed from
+    the final checkpoint and trained nothing has one) it is published now, so the restart (or
+    `resume_from_checkpoint=True`) loads the finished state and trains no step. Returns the exit to raise once the
+    step record has recorded the finished call, or `None`."""
     preemption = getattr(trainer, "preemption", None)
-    if preemption is not None and (preemption.received is not None or preemption.stopping_at is not None):
-        name = preemption.received.name if preemption.received is not None else "a signal on another rank"
-        raise Preempted(trainer.state.global_step, name)
+    if preemption is None:
+        return None
+    asked = preemption.received is not None or preemption.stopping_at is not None
+    ranks = ranks_with_flag(torch.tensor([asked], device=trainer.args.device))[0]
+    if not ranks:
+        return None
+    step = trainer.state.global_step
+    hooks = trainer.hooks_ran
+    saved = hooks.steps.get("_save_checkpoint") == step and hooks.refused_save != step
+    if not saved and checkpoint_step(trainer.nan_guard.resumed_from or "") != step:  # not resumed at the end either
+        trainer._save_checkpoint(trainer.model_wrapped, trial=None)  # verified and staged like every checkpoint
+    name = preemption.received.name if preemption.received is not None else "a signal on another rank"
+    detail = {"signal": name, "received_step": preemption.received_step, "checkpoint_step": step, "finished": True}
+    trainer.nan_guard.events.add(NanEvent(step, "preempt", [], ranks, detail))
+    if trainer.is_world_process_zero():
+        logger.warning(
+            f"Preempted ({name}) after the last step: the run finished, checkpoint-{step} holds its final state; "
+            f"exiting with status {PREEMPTED_EXIT_CODE}. A restart by the elastic agent, or "
+            "`train(resume_from_checkpoint=True)`, returns the finished state without training a step."
+        )
+    return Preempted(step, name)
 
 
-__all__ = ["after_boundary", "after_train", "attach_run_control", "exit_if_preempted"]
+__all__ = ["after_boundary", "after_train", "attach_run_control", "preempted_at_end"]

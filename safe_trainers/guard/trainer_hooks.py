@@ -34,7 +34,7 @@ from .hooks_ran import HooksRan, verify_hooks
 from .recovery import refuse_save
 from .restart import record_resume, resolve_run
 from .rotation import rotate_up_to
-from .run_control import after_boundary, after_train, exit_if_preempted
+from .run_control import after_boundary, after_train, preempted_at_end
 from .step_progress import StepProgressCallback
 
 logger = logging.getLogger("safe_trainers")
@@ -84,10 +84,11 @@ class NanGuardTrainerMixin:
         result = plan.history.result if plan.finished else None
         if result is not None and result["global_step"] == output.global_step:
             output = TrainOutput(**result)  # what this call returned before the restart
+        preempted = preempted_at_end(self) if guard is not None else None  # the final state published first
         if self.step_progress is not None:
             self.step_progress.finished(output)
-        if guard is not None:
-            exit_if_preempted(self)  # a signal during the last step: the run finished (and is recorded so), then exits
+        if preempted is not None:
+            raise preempted  # a signal during or after the last step: the run finished (and is recorded so), exits
         return output
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):

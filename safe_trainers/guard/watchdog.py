@@ -5,12 +5,15 @@ collective: without a watchdog the run waits out the collective timeout (`ddp_ti
 dies without saying where each rank was. Here each rank runs a [`HangWatchdog`] thread that the training loop feeds
 with host-side heartbeats from its callbacks (`time.monotonic()` when a step begins and when the guard has inspected
 it; no device synchronisation). The watchdog is armed only inside a step (from `on_step_begin` to the end of the
-guard's inspection of the step, its collectives included; a snapshot's copy, a rollback's restore and an abort's
-checkpoint are not timed); evaluation, saving and logging between steps may take as long as they take. GRPO/RLOO
-generation happens inside a step and is timed with it.
+guard's inspection of the step, its collectives included; a snapshot's copy, a rollback's restore, the diagnosis
+replay of a skipped step and an abort's checkpoint are not timed); evaluation, saving and logging between steps may
+take as long as they take, but the guard's verification before a save or an evaluation, a collective every rank
+must reach, is timed against the same bound ([`HangWatchdog.armed`]). GRPO/RLOO generation happens inside a step and
+is timed with it.
 
-The bound is a pure function of the steps timed so far ([`hang_bound`]): before `LEARN_AFTER` steps were timed (the
-first step of each process, with its compilation and warm-up, is not; GRPO/RLOO, which generate only every few steps,
+The bound is a pure function of the steps timed so far in this `train()` call ([`hang_bound`]; a second call on the
+same trainer, another stage with other settings, learns its own): before `LEARN_AFTER` steps were timed (the first
+step of each call, with its compilation and warm-up, is not; GRPO/RLOO, which generate only every few steps,
 time a whole generation cycle, [`generation_period`]), the ceiling `hang_timeout`; then
 `hang_timeout_factor` times the slowest step, at least `HANG_FLOOR` seconds, never above the ceiling. With the
 defaults a run of one-second steps is taken for hung after 120 s.
@@ -146,6 +149,19 @@ class HangWatchdog(TrainerCallback):
             if began is not None:  # the clock goes on from where it stopped
                 self._began = began + (self.clock() - start)
 
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """Timed like a step, between steps: a collective of the guard that every rank must reach (the verification
+        before a save or an evaluation), where a rank stuck elsewhere would leave the others waiting."""
+        if self._began is not None:  # inside a step already
+            yield
+            return
+        self._began = self.clock()
+        try:
+            yield
+        finally:
+            self._began = None
+
     def bound(self) -> float:
         return hang_bound(self.slowest, self.timed, self.ceiling, self.factor, learn_after=self.learn_after)
 
@@ -154,6 +170,7 @@ class HangWatchdog(TrainerCallback):
         self.stop()
         self._stop = threading.Event()
         self._first, self._began = True, None
+        self.slowest, self.timed = None, 0  # each `train()` call learns its own bound (its steps may differ)
         self._thread = threading.Thread(target=self._watch, name="safe_trainers-hang-watchdog", daemon=True)
         self._thread.start()
 
@@ -208,6 +225,8 @@ class _Unwatched:
     @staticmethod
     def paused() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    armed = paused
 
 
 UNWATCHED = _Unwatched()

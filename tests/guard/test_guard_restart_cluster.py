@@ -20,7 +20,7 @@ from test_guard_restart import assert_uninterrupted_batches, launch_restarting
 
 from safe_trainers.guard import read_events
 from safe_trainers.guard.completeness import incomplete_file
-from safe_trainers.guard.launch import agent_identity, agent_run_dir, launch_agents, same_launch
+from safe_trainers.guard.launch import agent_identity, agent_run_dir, find_agent, launch_agents, same_launch
 from safe_trainers.guard.progress import read_progress
 from safe_trainers.guard.rotation import rotation_victims
 from safe_trainers.testing.build import build_trainer
@@ -45,6 +45,14 @@ def test_a_launch_is_named_by_what_its_elastic_agent_keeps_across_restarts():
     assert not same_launch(ours, 1, ours, 1)  # not an earlier attempt: another launch, or this process itself
     assert not same_launch(ours, 0, ours, 0)  # a first attempt always starts a launch
     assert not same_launch(("other",), 0, ours, 1)
+    # `--log-dir /dev/null`: no run directory (an empty error file); the agent's process names it, past a wrapper.
+    quiet = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_ERROR_FILE": "", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert agent_identity(quiet, "node1", agent=lambda: "4242") == "none@node1:pid:4242"
+    assert agent_identity(quiet, "node1", agent=lambda: "") == "none@node1:"  # no `/proc` to read
+    assert agent_identity({"TORCHELASTIC_RUN_ID": "x"}, "node1", agent=lambda: "1") == "x@node1:"  # no agent at all
+    worker = {"TORCHELASTIC_RESTART_COUNT": "2"}
+    assert find_agent([(30, worker), (20, {"PATH": "/bin"}), (10, {})]) == 20  # train.sh (started by the agent)
+    assert find_agent([(30, worker)]) is None
     # Two nodes: the rendezvous may give global rank 0 to the other node after a restart.
     two = launch_agents(["a@node2:/t/2", "a@node1:/t/1"])
     assert same_launch(("a@node1:/t/1",), 0, two, 1)
@@ -163,14 +171,18 @@ def test_a_wrapper_script_is_restarted_from_its_checkpoint(tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_second_launch_with_the_same_rendezvous_is_not_a_restart_of_the_first(tmp_path):
+@pytest.mark.parametrize("logs", [(), ("--log-dir", os.devnull)], ids=["agent-logs", "no-agent-logs"])
+def test_a_second_launch_with_the_same_rendezvous_is_not_a_restart_of_the_first(tmp_path, logs):
     # Two separate launches of one job script, both with `--rdzv-backend static` (`TORCHELASTIC_RUN_ID=none`), the
     # same host and command line. Launch B's first attempt dies loading, before `train()`; its restart finds launch
     # A's finished record and checkpoints, and must start over: neither return A's state nor resume A's checkpoint.
+    # With `--log-dir /dev/null` the agent makes no run directory (`TORCHELASTIC_ERROR_FILE` is empty): both agents
+    # were `none@host:`, and B's restart returned A's finished state without training a step. The agent process
+    # itself (the nearest ancestor the agent did not start, the same for all its restarts) names it then.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    static = ("--rdzv-backend", "static", "--master-port", str(port))
+    static = ("--rdzv-backend", "static", "--master-port", str(port), *logs)
     launch_restarting(tmp_path, 1, 0, "--max_steps", "8", "--learning_rate", "5e-3", rendezvous=static, wrapper=True)
     (tmp_path / "out" / "stream-rank0.jsonl").unlink()
     (result,), (stream,) = launch_restarting(
