@@ -35,7 +35,7 @@ from .recovery import (
 from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 from .step_flags import StepFlags, loss_scale
-from .watchdog import UNWATCHED
+from ..restarts.watchdog import UNWATCHED
 
 logger = logging.getLogger("safe_trainers")
 
@@ -130,7 +130,7 @@ class NanGuard:
 
     def end_of_step(self, grad_norm: Any, dropped: bool = False) -> torch.Tensor:
         """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag.
-        `dropped`: the step's batches were not trained (a poisoned step, see `step_progress.py`): a skipped step."""
+        `dropped`: the step's batches were not trained (a poisoned step, see `restarts/record_callback.py`): a skipped step."""
         # DeepSpeed has already stepped (inside `backward`); it skips steps with non-finite gradients itself.
         deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
         skipped = deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)

@@ -11,10 +11,10 @@ guard touches, and how each keeps its contract:
   path always names a published checkpoint; `on_save` and hub uploads only ever see published checkpoints.
 * `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
 * resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
-  and a restart by the elastic agent take the newest complete and finite checkpoint (`restart.py`).
-* crashes: the step record is kept on disk and a poisoned step's batches are not trained (`step_progress.py`); a run
+  and a restart by the elastic agent take the newest complete and finite checkpoint (`restarts/resume_plan.py`).
+* crashes: the step record is kept on disk and a poisoned step's batches are not trained (`restarts/record_callback.py`); a run
   resumed at its last step (a restart after `train()` returned) trains no step past `max_steps`.
-* rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones (`rotation.py`).
+* rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones (`restarts/rotation.py`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from .checkpoint import STAGING_DIR, all_finite, checkpoint_step, clean_staging,
 from .guard import NanGuard
 from .hooks_ran import HooksRan, verify_hooks
 from .recovery import refuse_save
-from .restart import record_resume, resolve_run
-from .rotation import rotate_up_to
-from .run_control import after_boundary, after_train, exit_if_preempted
-from .step_progress import StepProgressCallback
+from ..restarts.resume_plan import record_resume, resolve_run
+from ..restarts.rotation import rotate_up_to
+from ..restarts.run_control import after_boundary, after_train, exit_if_preempted
+from ..restarts.record_callback import StepProgressCallback
 
 logger = logging.getLogger("safe_trainers")
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -46,7 +46,7 @@ class NanGuardTrainerMixin:
 
     nan_guard: NanGuard | None = None
     step_progress: StepProgressCallback | None = None
-    preemption: Any = None  # `PreemptionCallback` and `HangWatchdog`, see `run_control.py`
+    preemption: Any = None  # `PreemptionCallback` and `HangWatchdog`, see `restarts/run_control.py`
     hang_watchdog: Any = None
     hooks_ran: HooksRan | None = None  # marked by the hooks below when they run (`hooks_ran.py`)
     _staging_checkpoint = False

@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from test_guard_restart import assert_uninterrupted_batches, launch_restarting
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.completeness import incomplete_file
-from safe_trainers.guard.launch import agent_identity, agent_run_dir, launch_agents, same_launch
-from safe_trainers.guard.progress import read_progress
-from safe_trainers.guard.rotation import rotation_victims
+from safe_trainers.restarts.completeness import incomplete_file
+from safe_trainers.restarts.launch import agent_identity, agent_run_dir, launch_agents, same_launch
+from safe_trainers.restarts.step_record import read_progress
+from safe_trainers.restarts.rotation import rotation_victims
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainers import trainer_class
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from .checkpoint import all_finite, checkpoints
+from ..guard.checkpoint import all_finite, checkpoints
 from .completeness import BACKEND_STATE_PREFIXES, TRAINER_STATE, incomplete_checkpoint
 
 OPTIMIZER = "optimizer.pt"

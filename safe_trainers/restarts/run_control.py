@@ -17,9 +17,9 @@ from typing import Any
 
 from transformers.trainer_callback import DefaultFlowCallback
 
-from .callback import NanGuardCallback
+from ..guard.callback import NanGuardCallback
 from .preemption import Preempted, PreemptionCallback, parse_signals
-from .restart import restart_count
+from .resume_plan import restart_count
 from .watchdog import HangWatchdog, generation_period
 
 

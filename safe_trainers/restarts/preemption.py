@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .collectives import distributed, ranks_with_flag
-from .events import NanEvent
+from ..guard.collectives import distributed, ranks_with_flag
+from ..guard.events import NanEvent
 
 logger = logging.getLogger("safe_trainers")
 
