@@ -6,13 +6,16 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .nested import tensors as nested_tensors
 from .sharding import local
 
 STAGING_DIR = ".safe_trainers_staging"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 
 
 # The most bytes a pass over the state holds beyond its inputs, per piece: a check reads every tensor in flat pieces
@@ -71,6 +74,12 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         return torch.tensor(True)
     values = list(flags.values())
     return torch.stack([f.to(values[0].device) for f in values]).all()
+
+
+def any_nonfinite(value: Any) -> bool:
+    """Whether a tensor, or any floating tensor of a nested structure of them, holds a NaN or Inf (a host sync; read
+    in bounded pieces by [`all_finite`], with no copy of a whole tensor)."""
+    return not bool(all_finite(nested_tensors(value)))
 
 
 def _max_magnitudes(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -139,6 +148,11 @@ def clean_staging(run_dir: str) -> list[str]:
     removed = [os.path.join(staging, name) for name in os.listdir(staging)]
     shutil.rmtree(staging, ignore_errors=True)
     return removed
+
+
+def checkpoint_dir(run_dir: str, step: int) -> str:
+    """The path of the Trainer's checkpoint of step `step` in `run_dir` (`<run_dir>/checkpoint-<step>`)."""
+    return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
 
 
 def checkpoint_step(path: str) -> int | None:

@@ -19,14 +19,13 @@ import os
 from typing import Any
 
 from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
 
 from ..errors import TrainingDivergedError
 from .checkpoint import checkpoint_step
 from .events import NanEvent
 from .frozen import repair_frozen
 from .snapshot import BEST_MODEL_FIELDS, Snapshot, _groups
-
-TRAINER_STATE_FILE = "trainer_state.json"
 
 
 class CheckpointSnapshotter:
@@ -46,7 +45,6 @@ class CheckpointSnapshotter:
         self, trainer: Any, optimizer: Any, deepspeed_stage: int | None = None, resumed_from: str | None = None
     ):
         self.trainer = trainer
-        self.model = trainer.model
         self.optimizer = optimizer
         self.deepspeed_stage = deepspeed_stage
         self.snapshot = Snapshot()
@@ -103,12 +101,12 @@ class CheckpointSnapshotter:
             trainer.lr_scheduler.load_state_dict(schedule)
         for group, live in zip(_groups(self.optimizer), live_groups):
             group.update(live)  # the LR follows the schedule position, which a rollback does not rewind
-        with open(os.path.join(path, TRAINER_STATE_FILE)) as f:
+        with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
             saved = json.load(f)
         for key in BEST_MODEL_FIELDS:
             setattr(state, key, saved.get(key))
         self.snapshot.step = checkpoint_step(path) or 0
-        repair_frozen(self.model, self.good, state.global_step)  # a PEFT checkpoint holds the adapters only
+        repair_frozen(trainer.model, self.good, state.global_step)  # a PEFT checkpoint holds the adapters only
         return self.snapshot
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .backends import refuse_unsupported_backend, training_backend
+from .backends import refuse_unsupported_backend, training_backend, unwrap_optimizer
 from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
 from .collectives import ranks_with_flag
 from .disk_snapshot import CheckpointSnapshotter
@@ -71,7 +71,7 @@ class NanGuard:
     # ------------------------------------------------------------------ lifecycle
     def start_run(self, resume_from: str | None) -> None:
         """Called by `train()`: a new run starts its own event log and counters; a resumed run restores them."""
-        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+        optimizer = unwrap_optimizer(self.trainer.optimizer)
         if resume_from is None and optimizer is not None and self.state.lr_scale != 1.0:
             # A new run on the same trainer reuses its optimizer: undo the previous run's backoff.
             scale_learning_rate(optimizer, None, 1.0 / self.state.lr_scale)
@@ -229,7 +229,7 @@ class NanGuard:
         if snap is not None and snap.deepspeed_stage is not None:
             tensors = deepspeed_state_tensors(snap.optimizer, snap.deepspeed_stage)
         else:
-            opt = snap.optimizer if snap is not None else getattr(self.trainer.optimizer, "optimizer", None)
+            opt = snap.optimizer if snap is not None else unwrap_optimizer(self.trainer.optimizer)
             tensors = list(self.trainer.model.parameters()) + (optimizer_tensors(opt) if opt is not None else [])
         finite = all_finite(tensors).to(self.trainer.args.device)
         self.damaged_ranks = [rank for ranks in ranks_with_flag((~finite).reshape(1)) for rank in ranks]

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ..errors import TrainingDivergedError
+from .backends import unwrap_optimizer
+from .checkpoint import checkpoint_dir
 from .events import EventLog, NanEvent
 from .policy import StepRecord, Verdict
 from .snapshot import Snapshotter, scale_learning_rate
@@ -60,8 +62,7 @@ def restore_last_good(trainer: Any, snapshotter: Snapshotter, lr_backoff: float)
     if best is not None and not os.path.isdir(best):
         # The kept timeline's best checkpoint was rotated away while a discarded one was "best": no best now.
         trainer.state.best_model_checkpoint = trainer.state.best_metric = trainer.state.best_global_step = None
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    lr = scale_learning_rate(optimizer, trainer.lr_scheduler, lr_backoff)
+    lr = scale_learning_rate(unwrap_optimizer(trainer.optimizer), trainer.lr_scheduler, lr_backoff)
     discard = getattr(trainer, "discard_rollouts", None)
     if discard is not None:
         discard()  # GRPO/RLOO: completions sampled by the discarded policy
@@ -148,7 +149,7 @@ def abort(
     checkpoint = None
     try:
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-        checkpoint = os.path.join(trainer._get_output_dir(trial=None), f"checkpoint-{restored.at_step}")
+        checkpoint = checkpoint_dir(trainer._get_output_dir(trial=None), restored.at_step)
     except Exception as error:  # report, but never hide the divergence behind a save error
         logger.error(f"NaN guard: could not save the last good state: {error}")
     detail = {

@@ -37,7 +37,6 @@ class Snapshot:
     """
 
     step: int = -1
-    epoch: float = 0.0
     counters: dict[str, Any] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_state: dict[int, dict[str, Any]] = field(default_factory=dict)

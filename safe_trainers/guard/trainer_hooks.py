@@ -25,10 +25,11 @@ import os
 from typing import Any
 
 import torch
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import TrainOutput
 
 from ..errors import NonFiniteWeightsError
-from .checkpoint import STAGING_DIR, all_finite, checkpoint_step, clean_staging, publish, staging_run_dir
+from .checkpoint import STAGING_DIR, all_finite, checkpoint_dir, checkpoint_step, clean_staging, publish, staging_run_dir
 from .guard import NanGuard
 from .hooks_ran import HooksRan, verify_hooks
 from .recovery import refuse_save
@@ -38,7 +39,6 @@ from ..restarts.run_control import after_boundary, after_train, exit_if_preempte
 from ..restarts.record_callback import StepProgressCallback
 
 logger = logging.getLogger("safe_trainers")
-TRAINER_STATE_FILE = "trainer_state.json"
 
 
 class NanGuardTrainerMixin:
@@ -190,8 +190,7 @@ class NanGuardTrainerMixin:
             self.hooks_ran.refused_save = step
             return
         run_dir = self._get_output_dir(trial)
-        name = f"checkpoint-{step}"
-        staged, final = os.path.join(staging_run_dir(run_dir), name), os.path.join(run_dir, name)
+        staged, final = checkpoint_dir(staging_run_dir(run_dir), step), checkpoint_dir(run_dir, step)
         self._staging_checkpoint = True
         try:
             super()._save_checkpoint(model, trial)
@@ -201,7 +200,7 @@ class NanGuardTrainerMixin:
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_FILE))  # with the published best path
+            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
             guard.state.save(staged)
             publish(staged, final)
         if guard.snapshotter is not None:
@@ -235,7 +234,7 @@ class NanGuardTrainerMixin:
 def _published_best(state: Any, run_dir: str, step: int) -> str | None:
     """The best checkpoint as a published path: the Trainer computed it inside the staging directory."""
     if state.best_global_step:
-        path = os.path.join(run_dir, f"checkpoint-{state.best_global_step}")
+        path = checkpoint_dir(run_dir, state.best_global_step)
         if state.best_global_step == step or os.path.isdir(path):
             return path
     current = state.best_model_checkpoint

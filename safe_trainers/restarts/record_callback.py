@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
+from ..guard.checkpoint import checkpoint_dir
 from ..guard.events import NanEvent
 from .step_record import History, Phase, Poisoned, ProgressWriter
 
@@ -82,7 +83,7 @@ class StepProgressCallback(TrainerCallback):
         """The trainer published `checkpoint-<step>` (and rotated): the record lists the steps of this launch's
         checkpoints still in `run_dir`, the only ones a restart of the launch resumes from."""
         steps = sorted(set(self.history.checkpoints) | {step})
-        kept = tuple(s for s in steps if os.path.isdir(os.path.join(run_dir, f"checkpoint-{s}")))
+        kept = tuple(s for s in steps if os.path.isdir(checkpoint_dir(run_dir, s)))
         self._update(replace(self.history, checkpoints=kept))
 
     def finished(self, output: Any) -> None:
