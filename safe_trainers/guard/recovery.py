@@ -5,7 +5,7 @@ backs the learning rate off. It rewinds nothing else: `global_step`, the data po
 loss scaler and the token counters go on, so the run keeps its length, resume stays exact and logs stay monotonic
 (README, "The run's timeline").
 
-Each function takes the collaborators it acts on (the trainer, the [`Snapshotter`], the [`EventLog`]) and the values
+Each function takes the collaborators it acts on (the trainer, the [`RollbackSource`], the [`EventLog`]) and the values
 it reports, does its action and returns what it did (a [`Restored`] record, a count, an event); the guard decides when
 to call them and keeps its own counters and per-window state up to date from what they return.
 """
@@ -21,8 +21,9 @@ from ..errors import TrainingDivergedError
 from .backends import unwrap_optimizer
 from .checkpoint import checkpoint_dir
 from .events import EventLog, NanEvent
+from .good_state import RollbackSource
+from .lr_backoff import scale_learning_rate
 from .policy import StepRecord, Verdict
-from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 
 logger = logging.getLogger("safe_trainers")
@@ -53,7 +54,7 @@ class Restored:
         return list(range(self.step + 1, self.at_step + 1)) if self.step is not None else []
 
 
-def restore_last_good(trainer: Any, snapshotter: Snapshotter, lr_backoff: float) -> Restored:
+def restore_last_good(trainer: Any, snapshotter: RollbackSource, lr_backoff: float) -> Restored:
     """Put the last snapshot's weights, optimizer state and best-model fields back, multiply the learning rate by
     `lr_backoff`, and drop the rollouts a generating trainer (GRPO/RLOO) buffered from the discarded policy."""
     at_step = trainer.state.global_step
@@ -110,7 +111,7 @@ def record_rollback(
     return event
 
 
-def restore_at_end(trainer: Any, snapshotter: Snapshotter, events: EventLog, damaged_ranks: list[int]) -> Restored:
+def restore_at_end(trainer: Any, snapshotter: RollbackSource, events: EventLog, damaged_ranks: list[int]) -> Restored:
     """When training has ended with a state damaged after the guard's last check (a callback later in the list, at
     the last `on_step_end` or at `on_train_end`): put back the last good state, so that `save_model()` writes a finite
     model. The best checkpoint when `load_best_model_at_end` loaded one (it is what the run ends with), else the
@@ -209,6 +210,20 @@ def record_overflows(events: EventLog, overflows: list[StepRecord]) -> int:
     for record in overflows:
         events.add(NanEvent(record.step, "overflow", ["grad_norm"], [], {"loss": record.loss}))
     return len(overflows)
+
+
+def record_rewards(events: EventLog, step: int, nonfinite: int, total: int, whole_groups: int) -> NanEvent:
+    """GRPO/RLOO: some rewards of step `step` came back NaN/None/Inf (gathered counts, identical on every rank)."""
+    detail = {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups}
+    return events.add(NanEvent(step, "reward", ["rewards"], [], detail))
+
+
+def nonfinite_start_message(ranks: list[int]) -> str:
+    """Why training cannot start under the guard: the state is non-finite before the first step."""
+    return (
+        f"The model's weights or optimizer state are already non-finite before the first step (rank(s) {ranks}): "
+        "there is no good state to keep. Check the checkpoint you load, or the dtype it is loaded in."
+    )
 
 
 def refuse_save(events: EventLog, step: int) -> NanEvent:

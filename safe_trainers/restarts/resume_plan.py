@@ -4,8 +4,8 @@ A process killed by a signal (SIGKILL, SIGFPE, a segfault, a CUDA device-side as
 anything. torchrun's elastic agent (`torchrun --max-restarts N`, `accelerate launch --max_restarts N`) starts the
 workers again, with the same command line, and tells them so in `TORCHELASTIC_RESTART_COUNT` (its documented contract
 with the workers). With `resume_on_restart=True` such a restarted `train()` resumes from the newest complete and finite
-checkpoint of `output_dir` with nothing else passed, as `resume_from_checkpoint=True` does (see `checkpoint_choice.py`), and
-inherits the run's history of deaths (see `step_record.py`).
+checkpoint of `output_dir` with nothing else passed, as `resume_from_checkpoint=True` does (see
+`checkpoint_choice.py`), and inherits the run's history of deaths (see `step_record.py`).
 
 It trusts only what its own launch wrote: the step record names the launch by what the elastic agent keeps across
 its restarts (see `launch.py`; never a parent process id or a file time), the script's `train()` call, and the
@@ -30,9 +30,9 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from ..guard.checkpoint import checkpoint_step
 from ..guard.events import NanEvent
+from .checkpoint_choice import CheckpointChoice, PassedOver, checkpoint_problem, choose_checkpoint
 from .launch import TrainCalls, agent_identity, launch_agents, restart_count, same_launch
 from .step_record import History, Progress, data_identity, inherit, read_progress
-from .checkpoint_choice import CheckpointChoice, PassedOver, checkpoint_problem, choose_checkpoint
 
 if TYPE_CHECKING:
     from ..guard.guard import NanGuard

@@ -187,7 +187,7 @@ OTHERS: tuple[T, ...] = (
       ("tests/guard/test_guard_loss_scaler.py::test_a_faulted_step_is_skipped_through_the_scalers_found_inf",
        "tests/guard/test_guard_loss_scaler.py::test_without_the_guard_a_poisoned_step_crashes_the_scaler")),
     T("torch.optim.lr_scheduler:LRScheduler", "_last_lr", "attribute", "writes", "<=2.13 (not bisected)",
-      "guard/snapshot.py", "the reported learning rate after a backoff",
+      "guard/lr_backoff.py", "the reported learning rate after a backoff",
       ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",
       "trains and saves a LoRA reward model's head (`peft.reward_seq_cls_lora`)",
