@@ -15,7 +15,7 @@ import torch
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from ..guard import read_events
-from ..guard.checkpoint import checkpoints
+from ..guard.checkpoint_dirs import checkpoints
 from ..testing.faults import Fault
 
 

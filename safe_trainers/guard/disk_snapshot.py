@@ -24,7 +24,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from ..errors import TrainingDivergedError
 from .backends import Backend
-from .checkpoint import checkpoint_step
+from .checkpoint_dirs import checkpoint_step
 from .events import EventLog, NanEvent
 from .frozen import repair_frozen
 from .good_state import BEST_MODEL_FIELDS, Snapshot, kept_hyperparameters

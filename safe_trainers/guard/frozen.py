@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import TrainingDivergedError
-from .checkpoint import all_finite, flat_chunks
+from .finite import all_finite, flat_chunks
 from .sharding import local
 
 logger = logging.getLogger("safe_trainers")

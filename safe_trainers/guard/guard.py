@@ -21,20 +21,20 @@ import torch
 
 from ..restarts.watchdog import UNWATCHED
 from .backends import Backend, refuse_unsupported_backend, training_backend, unwrap_optimizer
-from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
+from .checkpoint_dirs import checkpoint_step
+from .finite import all_finite, deepspeed_state_tensors, optimizer_tensors
 from .collectives import ranks_with_flag
 from .disk_snapshot import CheckpointSnapshotter
 from .events import EventLog
 from .good_state import RollbackSource, rollback_source
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
-from .lr_backoff import scale_learning_rate, undo_backoff
 from .policy import (
     SpikeDetector, StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows,
 )  # fmt: skip
 from .recovery import (
     Restored, abort, nonfinite_start_message, record_overflows, record_rollback, record_skips, restore_at_end,
-    restore_last_good,
+    restore_last_good, scale_learning_rate, undo_backoff,
 )  # fmt: skip
 from .snapshot import Snapshotter
 from .state import GuardState

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import any_nonfinite
+from .finite import any_nonfinite
 from .collectives import distributed
 from .host_buffers import HostArena
 from .nested import map_tensors, tensors

@@ -1,9 +1,9 @@
 """The guard's actions on a verdict: record skips and overflows, roll back to the last good state, or stop the run.
 
 A rollback puts back the weights and optimizer state of the last snapshot, the best-model bookkeeping with them, and
-backs the learning rate off. It rewinds nothing else: `global_step`, the data position, the LR schedule position, the
-loss scaler and the token counters go on, so the run keeps its length, resume stays exact and logs stay monotonic
-(README, "The run's timeline").
+backs the learning rate off ([`scale_learning_rate`]). It rewinds nothing else: `global_step`, the data position, the
+LR schedule position, the loss scaler and the token counters go on, so the run keeps its length, resume stays exact and
+logs stay monotonic (README, "The run's timeline").
 
 Each function takes the collaborators it acts on (the trainer, the [`RollbackSource`], the [`EventLog`]) and the values
 it reports, does its action and returns what it did (a [`Restored`] record, a count, an event); the guard decides when
@@ -19,10 +19,9 @@ from typing import Any, NoReturn
 
 from ..errors import TrainingDivergedError
 from .backends import unwrap_optimizer
-from .checkpoint import checkpoint_dir
+from .checkpoint_dirs import checkpoint_dir
 from .events import EventLog, NanEvent
-from .good_state import RollbackSource
-from .lr_backoff import scale_learning_rate
+from .good_state import RollbackSource, param_groups
 from .policy import StepRecord, Verdict
 from .state import GuardState
 
@@ -68,6 +67,29 @@ def restore_last_good(trainer: Any, snapshotter: RollbackSource, lr_backoff: flo
     if discard is not None:
         discard()  # GRPO/RLOO: completions sampled by the discarded policy
     return Restored(snap.step, at_step, learning_rate=lr, lr_factor=lr_backoff)
+
+
+# -- the learning-rate backoff: the current and the scheduled learning rates, scaled together; the factor is kept
+# with the guard's state (`GuardState.lr_scale`) and undone when a new run starts on the same trainer.
+def scale_learning_rate(optimizer: Any, scheduler: Any, factor: float) -> float:
+    """Multiply the current and scheduled learning rates by `factor`; return the new learning rate of group 0."""
+    for group in param_groups(optimizer):
+        group["lr"] = group["lr"] * factor
+        if "initial_lr" in group:
+            group["initial_lr"] = group["initial_lr"] * factor
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps the torch one
+    if inner is not None and hasattr(inner, "base_lrs"):
+        inner.base_lrs = [lr * factor for lr in inner.base_lrs]
+        if hasattr(inner, "_last_lr"):
+            inner._last_lr = [g["lr"] for g in param_groups(optimizer)]
+    groups = param_groups(optimizer)
+    return groups[0]["lr"] if groups else float("nan")
+
+
+def undo_backoff(optimizer: Any, lr_scale: float) -> None:
+    """Take a previous run's backoff (`lr_scale`, the product of its factors) off `optimizer`'s learning rates."""
+    if optimizer is not None and lr_scale != 1.0:
+        scale_learning_rate(optimizer, None, 1.0 / lr_scale)
 
 
 def record_rollback(

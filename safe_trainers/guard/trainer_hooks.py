@@ -32,7 +32,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import TrainOutput
 
 from ..errors import NonFiniteWeightsError
-from .checkpoint import STAGING_DIR, all_finite, checkpoint_dir, checkpoint_step, clean_staging, publish, staging_run_dir
+from .checkpoint_dirs import STAGING_DIR, checkpoint_dir, checkpoint_step, clean_staging, publish, staging_run_dir
+from .finite import all_finite
 from .guard import NanGuard
 from .hooks_ran import HooksRan, verify_hooks
 from .recovery import refuse_save

@@ -24,7 +24,8 @@ import torch
 from safetensors import safe_open
 from transformers.trainer import TRAINER_STATE_NAME
 
-from ..guard.checkpoint import any_nonfinite, checkpoints
+from ..guard.checkpoint_dirs import checkpoints
+from ..guard.finite import any_nonfinite
 from ..guard.nested import named_tensors
 from .completeness import BACKEND_STATE_PREFIXES, incomplete_checkpoint
 

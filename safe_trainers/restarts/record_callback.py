@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
-from ..guard.checkpoint import checkpoint_dir
+from ..guard.checkpoint_dirs import checkpoint_dir
 from ..guard.events import NanEvent
 from .step_record import History, Phase, Poisoned, ProgressWriter
 

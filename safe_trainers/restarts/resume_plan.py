@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from ..guard.checkpoint import checkpoint_step
+from ..guard.checkpoint_dirs import checkpoint_step
 from ..guard.events import NanEvent
 from .checkpoint_choice import CheckpointChoice, PassedOver, checkpoint_problem, choose_checkpoint
 from .launch import TrainCalls, agent_identity, launch_agents, restart_count, same_launch
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("safe_trainers")
 
-Reason = Literal["new", "explicit", "requested", "restart"]
+ResumeReason = Literal["new", "explicit", "requested", "restart"]
 NOT_THIS_LAUNCHS = "not this launch's (an earlier run's, or published after the launch's step record was last written)"
 
 
@@ -60,7 +60,7 @@ class ResumePlan:
     """
 
     checkpoint: str | None
-    reason: Reason
+    reason: ResumeReason
     restart: int = 0
     passed_over: tuple[PassedOver, ...] = ()
     history: History = field(default_factory=History)
@@ -68,7 +68,7 @@ class ResumePlan:
     finished: bool = False
 
 
-def resume_reason(requested: str | bool | None, restart: int, resume_on_restart: bool) -> Reason:
+def resume_reason(requested: str | bool | None, restart: int, resume_on_restart: bool) -> ResumeReason:
     """Why the run resumes, or `"new"`: an explicit path wins, then `True`, then a restart by the elastic agent."""
     if isinstance(requested, str):
         return "explicit"

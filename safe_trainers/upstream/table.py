@@ -170,7 +170,7 @@ TRL: tuple[T, ...] = (
 
 ZERO_TEST = "tests/guard/test_guard_distributed.py::test_deepspeed_zero_fault_on_one_rank"
 OTHERS: tuple[T, ...] = (
-    T("torch", "_foreach_norm", "function", "calls", "<=2.13 (not bisected)", "guard/checkpoint.py",
+    T("torch", "_foreach_norm", "function", "calls", "<=2.13 (not bisected)", "guard/finite.py",
       "one fused finiteness check over many tensors", ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
     T("torch.optim:Optimizer", "_step_supports_amp_scaling", "attribute", "reads", "<=2.13 (not bisected)",
       "guard/skip.py", "fused optimizers skip a faulty step on the device (no host sync)",
@@ -187,7 +187,7 @@ OTHERS: tuple[T, ...] = (
       ("tests/guard/test_guard_loss_scaler.py::test_a_faulted_step_is_skipped_through_the_scalers_found_inf",
        "tests/guard/test_guard_loss_scaler.py::test_without_the_guard_a_poisoned_step_crashes_the_scaler")),
     T("torch.optim.lr_scheduler:LRScheduler", "_last_lr", "attribute", "writes", "<=2.13 (not bisected)",
-      "guard/lr_backoff.py", "the reported learning rate after a backoff",
+      "guard/recovery.py", "the reported learning rate after a backoff",
       ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",
       "trains and saves a LoRA reward model's head (`peft.reward_seq_cls_lora`)",
@@ -197,15 +197,15 @@ OTHERS: tuple[T, ...] = (
           (ZERO_TEST,))
         for module, name, kind, uses, where, stages, purpose in (
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "fp32_partitioned_groups_flat", "attribute", "reads",
-             "guard/checkpoint.py", "3", "the fp32 master partition, verified finite"),
+             "guard/finite.py", "3", "the fp32 master partition, verified finite"),
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "fp16_partitioned_groups_flat", "attribute", "reads",
-             "guard/checkpoint.py", "3", "the 16-bit partition, verified finite"),
+             "guard/finite.py", "3", "the 16-bit partition, verified finite"),
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "persistent_parameters", "attribute", "reads",
-             "guard/checkpoint.py", "3", "parameters kept whole on every rank, verified finite"),
+             "guard/finite.py", "3", "parameters kept whole on every rank, verified finite"),
             ("stage_1_and_2:DeepSpeedZeroOptimizer", "single_partition_of_fp32_groups", "attribute", "reads, writes",
-             "guard/checkpoint.py, guard/snapshot.py", "1/2", "the fp32 master partition, verified and restored"),
+             "guard/finite.py, guard/snapshot.py", "1/2", "the fp32 master partition, verified and restored"),
             ("stage_1_and_2:DeepSpeedZeroOptimizer", "bit16_groups_flat", "attribute", "reads",
-             "guard/checkpoint.py", "1/2", "the 16-bit partition, verified finite"),
+             "guard/finite.py", "1/2", "the 16-bit partition, verified finite"),
             ("stage_1_and_2:DeepSpeedZeroOptimizer", "update_lp_params", "method", "calls", "guard/snapshot.py",
              "1/2", "copies the restored master weights to the 16-bit ones"),
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "checkpoint_event_prologue", "method", "calls",

@@ -14,7 +14,7 @@ import torch
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard.backends import Backend
-from safe_trainers.guard.checkpoint import all_finite
+from safe_trainers.guard.finite import all_finite
 from safe_trainers.guard.host_buffers import HostArena, HostBuffers, copy_to_host
 from safe_trainers.guard.snapshot import Snapshotter
 
