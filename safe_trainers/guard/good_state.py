@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +46,7 @@ class Snapshot:
             self.ready.synchronize()
 
 
+@runtime_checkable
 class RollbackSource(Protocol):
     """Where the guard's last good state is kept, and how it comes back.
 

@@ -1,7 +1,7 @@
-"""Restarts in one `output_dir` reused across runs, and deaths outside a step (review findings of issue 15).
+"""Restarts in one `output_dir` reused across runs, and deaths outside a step.
 
 Each test writes the record a killed process leaves (`ProgressWriter`) and sets the elastic agent's restart count, as
-torchrun does for a restarted worker; the end-to-end restarts under torchrun are in `test_guard_restart.py`.
+torchrun does for a restarted worker; the end-to-end restarts under torchrun are in `test_crash_restarts.py`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints, recording
-from test_guard_restart import REPO, WORKER, assert_uninterrupted_batches, launch_restarting, steps
+from test_crash_restarts import REPO, WORKER, assert_uninterrupted_batches, launch_restarting, steps
 from transformers import TrainerCallback
 
 from safe_trainers.configs import config_class

@@ -3,7 +3,7 @@ launch with the same rendezvous defaults, shared storage whose clock lags, rotat
 rollback from disk, and checkpoints written in place and cut short.
 
 The end-to-end tests run tests/workers/restart_worker.py under torchrun's elastic agent (`--max-restarts`), as
-test_guard_restart.py does; the pure decisions (launch identity, rotation, file completeness) are tested first.
+test_crash_restarts.py does; the pure decisions (launch identity, rotation, file completeness) are tested first.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from guard_utils import checkpoint_steps, recording
 from safetensors.torch import save_file
-from test_guard_restart import assert_uninterrupted_batches, launch_restarting
+from test_crash_restarts import assert_uninterrupted_batches, launch_restarting
 
 from safe_trainers.guard import read_events
 from safe_trainers.restarts.completeness import incomplete_file
