@@ -37,9 +37,7 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
     return (tensor for _, tensor in named_tensors(value))
 
 
-def map_tensors(
-    value: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] = lambda leaf: leaf
-) -> Any:
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] = lambda leaf: leaf) -> Any:
     """`value` rebuilt with `fn` applied to every tensor (in the order of [`named_tensors`]) and `other` to every
     other leaf; mappings come back as plain dicts, lists and tuples as their own type."""
     if torch.is_tensor(value):

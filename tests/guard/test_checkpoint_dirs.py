@@ -8,7 +8,13 @@ import os
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from safe_trainers.guard.checkpoint_dirs import (
-    STAGING_DIR, checkpoint_dir, checkpoint_step, checkpoints, clean_staging, publish, staging_run_dir,
+    STAGING_DIR,
+    checkpoint_dir,
+    checkpoint_step,
+    checkpoints,
+    clean_staging,
+    publish,
+    staging_run_dir,
 )  # fmt: skip
 
 

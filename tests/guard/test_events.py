@@ -23,7 +23,7 @@ def test_events_are_appended_one_json_object_a_line_with_nan_as_a_string(tmp_pat
     lines = (tmp_path / EVENTS_FILE).read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2, 5]
     first = read_events(str(tmp_path))[0]
-    assert first["kind"] == "skip" and first["loss"] == "nan" and first["nonfinite"] == ["loss"] and first["ranks"] == [0]
+    assert (first["kind"], first["loss"], first["nonfinite"], first["ranks"]) == ("skip", "nan", ["loss"], [0])
 
 
 def test_a_new_run_keeps_the_previous_log_aside_and_starts_empty(tmp_path):

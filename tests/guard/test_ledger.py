@@ -33,7 +33,8 @@ def test_a_window_with_a_skipped_step_reports_the_mean_of_its_applied_steps():
     assert ledger.close_window() == (3.0 + 4.0) / 2
     step(ledger, [6.0], skipped=False)  # the next window has no skip: the Trainer's own value stands
     assert ledger.close_window() is None
-    assert ledger.train_loss() == pytest.approx((3.0 + 4.0 + 6.0) / 3)  # the run had a skip: the mean over its applied steps
+    # The run had a skip: `train_loss` is the mean over its applied steps.
+    assert ledger.train_loss() == pytest.approx((3.0 + 4.0 + 6.0) / 3)
 
 
 def test_a_window_of_skipped_steps_only_reports_nothing_and_a_new_run_forgets():

@@ -41,7 +41,8 @@ def test_a_restore_puts_back_weights_moments_and_best_fields_but_not_the_learnin
     train_step(model, optimizer)
     snapshotter = Snapshotter(model, Backend(optimizer, zero_stage=None, loss_scaled=False))
     assert isinstance(snapshotter, RollbackSource)
-    trainer_state = types.SimpleNamespace(global_step=1, best_metric=0.5, best_global_step=1, best_model_checkpoint="c")
+    best = dict(best_metric=0.5, best_global_step=1, best_model_checkpoint="checkpoint-1")
+    trainer_state = types.SimpleNamespace(global_step=1, **best)
     snap = snapshotter.take(trainer_state)
     assert snap.step == 1 and "0.weight" not in snap.params and set(snap.params) == {"0.bias", "1.weight", "1.bias"}
     good = state_of(model, optimizer)
