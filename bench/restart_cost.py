@@ -87,7 +87,7 @@ def measure_restart(ns, root: str, model_dir: str) -> None:
         return next(m["t"] for m in marks if m["attempt"] == attempt and m["event"] == event
                     and (step is None or m["step"] == step))  # fmt: skip
 
-    from safe_trainers.guard.resume import choose_checkpoint
+    from safe_trainers.restarts.checkpoint_choice import choose_checkpoint
 
     start = time.perf_counter()
     choose_checkpoint(os.path.join(root, "run"))
@@ -110,7 +110,7 @@ def measure_restart(ns, root: str, model_dir: str) -> None:
 
 
 def measure_bookkeeping(ns, directory: str) -> None:
-    from safe_trainers.guard.progress import Death, History, ProgressWriter
+    from safe_trainers.restarts.step_record import Death, History, ProgressWriter
 
     agent = "5d874e25-f50b-4ac4-b837-9d13bdd45170@node-0:/tmp/torchelastic_lbzy4e5p/5d874e25-f50b-4ac4-b837_nq1o0xd0"
     history = History(3, (Death(0, 1200), Death(1, 1234), Death(2, 1234)), launch=(agent,), restart=3,
@@ -133,8 +133,8 @@ def measure_scan(ns, root: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from safe_trainers.guard.completeness import incomplete_checkpoint
-    from safe_trainers.guard.resume import checkpoint_problem
+    from safe_trainers.restarts.completeness import incomplete_checkpoint
+    from safe_trainers.restarts.checkpoint_choice import checkpoint_problem
 
     path = os.path.join(root, "scan", "checkpoint-1")
     os.makedirs(path)

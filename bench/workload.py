@@ -116,11 +116,11 @@ class GuardMemoryProbe(TrainerCallback):
 
 
 def _snapshot_tensors(snapshot) -> list[torch.Tensor]:
-    from safe_trainers.guard.localize import _tensors
+    from safe_trainers.guard.nested import tensors as nested_tensors
 
     tensors = list(snapshot.params.values())
-    tensors += [t for slot in snapshot.optimizer_state.values() for t in _tensors(slot)]
-    return tensors + list(_tensors(snapshot.deepspeed_state))
+    tensors += [t for slot in snapshot.optimizer_state.values() for t in nested_tensors(slot)]
+    return tensors + list(nested_tensors(snapshot.deepspeed_state))
 
 
 def snapshot_bytes(snapshot) -> int:

@@ -207,7 +207,7 @@ def validate_safety_arguments(settings: Any) -> None:
             "`\"memory\"` (the default) to roll back to a host copy, or `\"checkpoint\"` to roll back to the newest "
             "verified checkpoint when host memory cannot hold a copy of the weights and optimizer state."
         )
-    from .guard.preemption import parse_signals
+    from .restarts.preemption import parse_signals
 
     if isinstance(settings.preempt_signals, str):
         settings.preempt_signals = [s for s in settings.preempt_signals.replace(",", " ").split() if s]

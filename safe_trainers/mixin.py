@@ -12,11 +12,11 @@ from transformers.trainer_callback import DefaultFlowCallback
 from .arguments import SafetyArguments
 from .configs import config_class
 from .guard import NanGuard, NanGuardCallback
-from .guard.preemption import refuse_jit_checkpoint
-from .guard.run_control import attach_run_control
 from .guard.hooks_ran import HookCheckCallback, HooksRan
-from .guard.step_progress import StepProgressCallback
-from .guard.trainer_hooks import NanGuardTrainerMixin
+from .guard.trainer_hooks import HookState, NanGuardTrainerMixin
+from .restarts.preemption import refuse_jit_checkpoint
+from .restarts.record_callback import StepProgressCallback
+from .restarts.run_control import attach_run_control
 from .kinds import get_kind
 from .rules.report import SafetyReport
 from .rules.context import TrainerSetup, build_setup
@@ -90,6 +90,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         self._publish_safety_report(settings)
         if settings.nan_guard:
             self.nan_guard = NanGuard(self, settings)
+            self.guard_hooks = HookState()  # what the guard's trainer hooks carry between calls (`trainer_hooks.py`)
             # Right after the flow callback (which decides whether this step logs, evaluates or saves) and before
             # every other: TRL's reference-model sync and the reporting integrations must see a verified state.
             callbacks = self.callback_handler.callbacks
@@ -99,7 +100,7 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             # rolls back, so a death there is never blamed on the step's data.
             self.step_progress = StepProgressCallback(self.nan_guard)
             callbacks.insert(flow + 1, self.step_progress)
-            attach_run_control(self, settings)  # preemption and hang detection (see `guard/run_control.py`)
+            attach_run_control(self, settings)  # preemption and hang detection (see `restarts/run_control.py`)
             # First of all: the upstream hooks the guard depends on ran, or the run stops (`guard/hooks_ran.py`).
             self.hooks_ran = HooksRan()
             callbacks.insert(flow + 1, HookCheckCallback(self))

@@ -16,7 +16,7 @@ import torch
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from ..guard import read_events
-from ..guard.checkpoint import checkpoints
+from ..guard.checkpoint_dirs import checkpoints
 from ..guard.recovery import discarded_updates
 from ..testing.faults import Fault
 

@@ -34,6 +34,12 @@ class Backend:
     loss_scaled: bool
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside accelerate's `AcceleratedOptimizer` (`trainer.optimizer`), or `optimizer` itself when it
+    wraps none (`None` stays `None`)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def backend_problem(fsdp_version: int | None = None, zero_stage: int | None = None) -> str | None:
     """Why the guard cannot protect this backend, or `None` when it can. `fsdp_version`: the FSDP plugin's version,
     `None` without FSDP; `zero_stage`: DeepSpeed's ZeRO stage, `None` without DeepSpeed.
@@ -58,7 +64,7 @@ def training_backend(trainer: Any) -> Backend:
             raise ValueError(problem)
         engine = trainer.model_wrapped
         return Backend(engine.optimizer, stage, bool(engine.fp16_enabled()))
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    optimizer = unwrap_optimizer(trainer.optimizer)
     scaler = trainer.accelerator.scaler
     return Backend(optimizer, None, scaler is not None and scaler.is_enabled())
 
@@ -71,4 +77,4 @@ def refuse_unsupported_backend(trainer: Any) -> None:
         raise ValueError(problem)
 
 
-__all__ = ["Backend", "backend_problem", "refuse_unsupported_backend", "training_backend"]
+__all__ = ["Backend", "backend_problem", "refuse_unsupported_backend", "training_backend", "unwrap_optimizer"]

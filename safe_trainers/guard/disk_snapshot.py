@@ -16,39 +16,51 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
 
 from ..errors import TrainingDivergedError
-from .checkpoint import checkpoint_step
-from .events import NanEvent
+from .backends import Backend
+from .checkpoint_dirs import checkpoint_step
+from .events import EventLog, NanEvent
 from .frozen import repair_frozen
-from .snapshot import BEST_MODEL_FIELDS, Snapshot, _groups
-
-TRAINER_STATE_FILE = "trainer_state.json"
+from .good_state import BEST_MODEL_FIELDS, Snapshot, kept_hyperparameters
 
 
 class CheckpointSnapshotter:
-    """Takes no copy; restores the newest checkpoint of this run's timeline (same interface as [`Snapshotter`]).
+    """Takes no copy; restores the newest checkpoint of this run's timeline (a [`RollbackSource`], like
+    [`Snapshotter`]).
 
     Only checkpoints this run published, and the checkpoint it resumed from, are good states: an earlier run's
     checkpoints left in the same `output_dir` never are.
 
     Args:
-        trainer (`transformers.Trainer`): the trainer whose checkpoints are the good states.
-        optimizer: the optimizer the guard checks (torch's, or DeepSpeed's ZeRO optimizer).
-        deepspeed_stage (`int | None`): the ZeRO stage when DeepSpeed owns the optimizer, else `None`.
+        trainer (`transformers.Trainer`): the trainer whose checkpoints are the good states, and whose own resume code
+            loads them.
+        backend ([`Backend`]): what the guard bound to: the optimizer it checks (torch's, or DeepSpeed's ZeRO
+            optimizer) and the ZeRO stage.
+        events ([`EventLog`]): the guard's event log (an `abort` event when no good state is left).
+        save_starting_checkpoint (`Callable[[], None]`): publishes the state training starts from as a checkpoint
+            (and calls [`published`] with it), for a run that has none yet.
         resumed_from (`str | None`): the checkpoint `train()` resumed from, if any.
     """
 
     def __init__(
-        self, trainer: Any, optimizer: Any, deepspeed_stage: int | None = None, resumed_from: str | None = None
+        self,
+        trainer: Any,
+        backend: Backend,
+        events: EventLog,
+        save_starting_checkpoint: Callable[[], None],
+        resumed_from: str | None = None,
     ):
         self.trainer = trainer
-        self.model = trainer.model
-        self.optimizer = optimizer
-        self.deepspeed_stage = deepspeed_stage
+        self.backend = backend
+        self.optimizer = backend.optimizer
+        self.events = events
+        self.save_starting_checkpoint = save_starting_checkpoint
         self.snapshot = Snapshot()
         self.good: list[str] = []
         if resumed_from is not None and os.path.isdir(resumed_from):
@@ -72,7 +84,7 @@ class CheckpointSnapshotter:
         """Record that the state of this step is good; at the first call of a run with no good checkpoint at or
         before this step, publish one (the only good state there is to go back to)."""
         if self.newest_good(state.global_step) is None:
-            self.trainer.save_starting_checkpoint()  # calls `published`
+            self.save_starting_checkpoint()  # calls `published`
         self.snapshot.step = state.global_step
         return self.snapshot
 
@@ -86,37 +98,36 @@ class CheckpointSnapshotter:
         trainer = self.trainer
         path = self.newest_good(state.global_step)
         if path is None:
-            events = trainer.nan_guard.events
+            events = self.events
             detail = {"reason": "no_good_state", "good": list(self.good)}
             events.add(NanEvent(state.global_step, "abort", ["weights_or_optimizer_state"], [], detail))
             message = no_good_state_message(self.good, state.global_step, trainer.args.output_dir)
             raise TrainingDivergedError(message, checkpoint_dir=None, report_path=events.path)
         schedule = trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None
-        live_groups = [{k: v for k, v in g.items() if k != "params"} for g in _groups(self.optimizer)]
         with_optimizer = any(name.startswith("optimizer") for name in os.listdir(path))
         # What the Trainer does when it resumes inside its training loop, once the model is wrapped.
-        if trainer.is_deepspeed_enabled:  # the engine loads its optimizer (and scheduler) with the weights
-            strict = getattr(trainer.model, "peft_config", None) is None
-            deepspeed_load_checkpoint(trainer.model_wrapped, path, load_module_strict=strict)
-        else:
-            trainer._load_from_checkpoint(path, trainer.model_wrapped if trainer.is_fsdp_enabled else None)
-            if not (with_optimizer and trainer.is_fsdp_enabled):
-                # The live moments are dropped before the checkpoint's are loaded, not held alongside them (twice the
-                # optimizer state at once, on the GPU under DDP); without optimizer state in the checkpoint, fresh
-                # moments, as a run resumed from such a checkpoint has. FSDP2's loader reads the live state's layout.
-                self.optimizer.state.clear()
-            if with_optimizer:
-                trainer._load_optimizer_and_scheduler(path)
-        if schedule is not None:
-            trainer.lr_scheduler.load_state_dict(schedule)
-        for group, live in zip(_groups(self.optimizer), live_groups):
-            group.update(live)  # the LR follows the schedule position, which a rollback does not rewind
-        with open(os.path.join(path, TRAINER_STATE_FILE)) as f:
+        with kept_hyperparameters(self.optimizer):
+            if self.backend.zero_stage is not None:  # the engine loads its optimizer (and scheduler) with the weights
+                strict = getattr(trainer.model, "peft_config", None) is None
+                deepspeed_load_checkpoint(trainer.model_wrapped, path, load_module_strict=strict)
+            else:
+                trainer._load_from_checkpoint(path, trainer.model_wrapped if trainer.is_fsdp_enabled else None)
+                if not (with_optimizer and trainer.is_fsdp_enabled):
+                    # The live moments are dropped before the checkpoint's are loaded, not held alongside them (twice
+                    # the optimizer state at once, on the GPU under DDP); without optimizer state in the checkpoint,
+                    # fresh moments, as a run resumed from such a checkpoint has. FSDP2's loader reads the live
+                    # state's layout.
+                    self.optimizer.state.clear()
+                if with_optimizer:
+                    trainer._load_optimizer_and_scheduler(path)
+            if schedule is not None:
+                trainer.lr_scheduler.load_state_dict(schedule)
+        with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
             saved = json.load(f)
         for key in BEST_MODEL_FIELDS:
             setattr(state, key, saved.get(key))
         self.snapshot.step = checkpoint_step(path) or 0
-        repair_frozen(self.model, self.checkpoints, state.global_step)  # a PEFT checkpoint holds the adapters only
+        repair_frozen(trainer.model, self.checkpoints, state.global_step)  # a PEFT checkpoint holds the adapters only
         return self.snapshot
 
 

@@ -93,9 +93,6 @@ class EventLog:
                 f.write(json.dumps(event.to_dict()) + "\n")
         return event
 
-    def count(self, kind: str) -> int:
-        return sum(e.kind == kind for e in self.events)
-
 
 def read_events(output_dir: str) -> list[dict[str, Any]]:
     """The events recorded in `output_dir/nan_events.jsonl` (empty if none)."""

@@ -20,7 +20,7 @@ from collections.abc import Container, Iterable, Iterator
 import torch
 
 from ..errors import TrainingDivergedError
-from .checkpoint import CHUNK_BYTES, all_finite
+from .finite import CHUNK_BYTES, all_finite
 from .sharding import local
 
 logger = logging.getLogger("safe_trainers")

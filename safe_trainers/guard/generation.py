@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .recovery import record_rewards
+
 
 class OnlineGenerationMixin:
     """Mixed in before TRL's `GRPOTrainer`/`RLOOTrainer` (after [`SafeTrainerMixin`])."""
@@ -36,7 +38,8 @@ class OnlineGenerationMixin:
             count = int(nonfinite.sum())  # TRL already reads its reward metrics back every generation
             if count:
                 unscorable = nonfinite.all(dim=1).view(-1, self.num_generations).all(dim=1)
-                self.nan_guard.record_rewards(count, rewards.shape[0], int(unscorable.sum()))
+                step = self.state.global_step + 1
+                record_rewards(self.nan_guard.events, step, count, rewards.shape[0], int(unscorable.sum()))
         return rewards
 
     def discard_rollouts(self) -> None:

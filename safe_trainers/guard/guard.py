@@ -20,22 +20,25 @@ from typing import Any
 
 import torch
 
-from .backends import refuse_unsupported_backend, training_backend
-from .checkpoint import all_finite, checkpoint_step, deepspeed_state_tensors, optimizer_tensors
+from ..restarts.watchdog import UNWATCHED
+from .backends import Backend, refuse_unsupported_backend, training_backend, unwrap_optimizer
+from .checkpoint_dirs import checkpoint_step
+from .finite import all_finite, deepspeed_state_tensors, optimizer_tensors
 from .collectives import ranks_with_flag
 from .disk_snapshot import CheckpointSnapshotter
-from .events import EventLog, NanEvent
+from .events import EventLog
+from .good_state import RollbackSource, rollback_source
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
 from .policy import StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows
 from .recovery import (
-    Restored, abort, record_overflows, record_rollback, record_skips, record_spikes, restore_at_end, restore_last_good,
+    Restored, abort, nonfinite_start_message, record_overflows, record_rollback, record_skips, record_spikes,
+    restore_at_end, restore_last_good, scale_learning_rate, undo_backoff,
 )  # fmt: skip
-from .snapshot import Snapshotter, scale_learning_rate
+from .snapshot import Snapshotter
 from .spikes import SpikeSettings, SpikeWindow
 from .state import GuardState
 from .step_flags import StepFlags, loss_scale
-from .watchdog import UNWATCHED
 
 logger = logging.getLogger("safe_trainers")
 
@@ -59,11 +62,13 @@ class NanGuard:
         self.rollbacks_this_run = 0
         self.spikes: SpikeWindow | None = None
         self.replaying = False
-        self.snapshotter: Snapshotter | CheckpointSnapshotter | None = None
+        self.backend: Backend | None = None  # with `rollback_from`, decided when training starts (`begin`)
+        self.rollback_from: str = settings.nan_rollback_from
+        self.snapshotter: RollbackSource | None = None
         self.resumed_from: str | None = None
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
-        self.flags = StepFlags()
+        self.flags, self.deepspeed = StepFlags(), False  # DeepSpeed steps in `backward`, skips non-finite steps itself
         self.preemption, self.watchdog = None, UNWATCHED  # or a `PreemptionCallback`, a `HangWatchdog` (run_control)
         self._consecutive = 0
         self._refresh_best = False
@@ -71,10 +76,8 @@ class NanGuard:
     # ------------------------------------------------------------------ lifecycle
     def start_run(self, resume_from: str | None) -> None:
         """Called by `train()`: a new run starts its own event log and counters; a resumed run restores them."""
-        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
-        if resume_from is None and optimizer is not None and self.state.lr_scale != 1.0:
-            # A new run on the same trainer reuses its optimizer: undo the previous run's backoff.
-            scale_learning_rate(optimizer, None, 1.0 / self.state.lr_scale)
+        if resume_from is None:  # a new run on the same trainer reuses its optimizer: the previous backoff goes
+            undo_backoff(unwrap_optimizer(self.trainer.optimizer), self.state.lr_scale)
         resumed_at = None
         if resume_from is not None:  # a directory not named `checkpoint-N` keeps the whole log
             step = checkpoint_step(resume_from)
@@ -92,22 +95,20 @@ class NanGuard:
 
     def begin(self) -> None:
         """Called at `on_train_begin`: bind to the optimizer and take the first snapshot."""
-        backend = training_backend(self.trainer)
-        if self.settings.nan_rollback_from == "checkpoint":
-            self.snapshotter = CheckpointSnapshotter(
-                self.trainer, backend.optimizer, backend.zero_stage, resumed_from=self.resumed_from
-            )
+        trainer, backend = self.trainer, training_backend(self.trainer)
+        self.backend, self.deepspeed = backend, backend.zero_stage is not None
+        self.rollback_from, note = rollback_source(self.settings, trainer.args, trainer.safety_report)
+        if note is not None and trainer.is_world_process_zero():
+            logger.warning(note)  # the config and the guard disagree: said, with the rule that decided
+        if self.rollback_from == "checkpoint":
+            save = trainer.save_starting_checkpoint
+            self.snapshotter = CheckpointSnapshotter(trainer, backend, self.events, save, self.resumed_from)
         else:
-            model, resumed = self.trainer.model, self.resumed_from
-            self.snapshotter = Snapshotter(model, backend.optimizer, backend.zero_stage, resumed_from=resumed)
+            self.snapshotter = Snapshotter(trainer.model, backend, resumed_from=self.resumed_from)
         self.flags = StepFlags(backend.loss_scaled, self.spikes)
         self.batches.clear()
         if not self.state_is_finite():
-            raise ValueError(
-                f"The model's weights or optimizer state are already non-finite before the first step (rank(s) "
-                f"{self.damaged_ranks}): there is no good state to keep. Check the checkpoint you load, or the dtype "
-                "it is loaded in."
-            )
+            raise ValueError(nonfinite_start_message(self.damaged_ranks))
         self.take_snapshot()
 
     def resumed_learning_rate(self, optimizer: Any, scheduler: Any) -> None:
@@ -130,10 +131,9 @@ class NanGuard:
 
     def end_of_step(self, grad_norm: Any, dropped: bool = False) -> torch.Tensor:
         """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag.
-        `dropped`: the step's batches were not trained (a poisoned step, see `step_progress.py`): a skipped step."""
+        `dropped`: the step's batches were not trained (a poisoned step, see `restarts/record_callback.py`): a skipped step."""
         # DeepSpeed has already stepped (inside `backward`); it skips steps with non-finite gradients itself.
-        deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
-        skipped = deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)
+        skipped = self.deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)
         step = self.trainer.state.global_step + 1
         fault = self.flags.end_step(step, grad_norm, self.trainer.args.device, skipped, dropped, self.preemption)
         self.batches.end_step(step)
@@ -142,7 +142,7 @@ class NanGuard:
 
     def apply_skip(self, optimizer: Any) -> None:
         """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
-        if self.snapshotter is None or self.snapshotter.deepspeed_stage is None:  # DeepSpeed skips them itself
+        if not self.deepspeed:  # DeepSpeed skips them itself
             self.flags.skip_update(optimizer, self.trainer.accelerator.scaler)
 
     # ------------------------------------------------------------------ inspection
@@ -193,16 +193,15 @@ class NanGuard:
         if not self.flags.pending and not verify:
             return None
         records = self.flags.read()
-        deepspeed = self.snapshotter is not None and self.snapshotter.deepspeed_stage is not None
         if any(r.overflow for r in records):
-            records = unexplained_overflows(records, loss_scale(self.trainer, deepspeed))
+            records = unexplained_overflows(records, loss_scale(self.trainer, self.deepspeed))
         any_bad = any(r.bad for r in records)
         state_finite = self.state_verified() if (any_bad or verify) else True
         limit = self.settings.nan_max_consecutive_skips
-        verdict = judge_window(records, self._consecutive, limit, deepspeed, state_finite)
+        verdict = judge_window(records, self._consecutive, limit, self.deepspeed, state_finite)
         self._consecutive = verdict.consecutive
         self.state.overflow_steps += record_overflows(self.events, verdict.overflows)
-        self.state.spike_steps += record_spikes(self.events, verdict.spikes, skipped=not deepspeed)
+        self.state.spike_steps += record_spikes(self.events, verdict.spikes, skipped=not self.deepspeed)
         diagnosis = None
         if (
             verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
@@ -222,13 +221,15 @@ class NanGuard:
         return verdict
 
     def state_is_finite(self) -> bool:
-        """Whether the weights and optimizer state are finite on every rank (a collective and a host sync). The
-        ranks whose own state is non-finite are kept in `self.damaged_ranks`."""
-        snap = self.snapshotter
-        if snap is not None and snap.deepspeed_stage is not None:
-            tensors = deepspeed_state_tensors(snap.optimizer, snap.deepspeed_stage)
+        """Whether the weights and optimizer state are finite on every rank (a collective and a host sync).
+
+        The ranks whose own state is non-finite are kept in `self.damaged_ranks`.
+        """
+        backend = self.backend
+        if backend is not None and backend.zero_stage is not None:
+            tensors = deepspeed_state_tensors(backend.optimizer, backend.zero_stage)
         else:
-            opt = snap.optimizer if snap is not None else getattr(self.trainer.optimizer, "optimizer", None)
+            opt = backend.optimizer if backend is not None else unwrap_optimizer(self.trainer.optimizer)
             tensors = list(self.trainer.model.parameters()) + (optimizer_tensors(opt) if opt is not None else [])
         finite = all_finite(tensors).to(self.trainer.args.device)
         self.damaged_ranks = [rank for ranks in ranks_with_flag((~finite).reshape(1)) for rank in ranks]
@@ -282,11 +283,6 @@ class NanGuard:
         self._consecutive = 0
         self.flags.clear()
         self.batches.clear()
-
-    def record_rewards(self, nonfinite: int, total: int, whole_groups: int) -> None:
-        """GRPO/RLOO: some rewards came back NaN/None/Inf (called with gathered counts, identical on every rank)."""
-        detail = {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups}
-        self.events.add(NanEvent(self.trainer.state.global_step + 1, "reward", ["rewards"], [], detail))
 
     def _localize(self, step: int | None) -> dict[str, Any] | None:
         batches = self.batches.get(step)

@@ -15,12 +15,13 @@ import copy
 import logging
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .nested import map_tensors, tensors
 from .sharding import local
 
 logger = logging.getLogger("safe_trainers")
@@ -212,32 +213,12 @@ def copy_to_host(value: Any, buffers: HostBuffers) -> Any:
     """A host copy of a nested structure (dicts, lists, tuples) of tensors: every tensor copied into a view of
     `buffers` (non-blocking from a CUDA device: wait on an event recorded after it before reading), every other leaf
     deep-copied. A `DTensor` is copied as this rank's shard."""
-    leaves = list(_tensors(value))
+    leaves = [local(t).detach() for t in tensors(value)]
     views = buffers.views([(tuple(t.shape), t.dtype) for t in leaves], pin=any(t.is_cuda for t in leaves))
     for view, tensor in zip(views, leaves):
         view.copy_(tensor, non_blocking=tensor.is_cuda)
-    return _rebuild(value, iter(views))
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if torch.is_tensor(value):
-        yield local(value).detach()
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _rebuild(value: Any, views: Iterator[torch.Tensor]) -> Any:
-    if torch.is_tensor(value):
-        return next(views)
-    if isinstance(value, dict):
-        return {k: _rebuild(v, views) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rebuild(v, views) for v in value)
-    return copy.deepcopy(value)
+    held = iter(views)
+    return map_tensors(value, lambda _: next(held), copy.deepcopy)
 
 
 __all__ = ["HostArena", "HostBuffers", "Slot", "copy_to_host", "plan"]

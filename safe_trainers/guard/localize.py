@@ -4,41 +4,17 @@ first module whose output went non-finite."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import all_finite
+from .finite import any_nonfinite
 from .collectives import distributed
 from .host_buffers import HostArena
+from .nested import map_tensors, tensors
 from .sharding import reshard
-
-
-def _tensors(value: Any):
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, dict) or hasattr(value, "values") and not isinstance(value, (str, bytes)):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if torch.is_tensor(value):
-        return fn(value)
-    if isinstance(value, Mapping):  # dicts and `BatchEncoding`s; replayed as plain dicts
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value
-
-
-def _nonfinite(value: Any) -> bool:
-    return not bool(all_finite(_tensors(value)))
 
 
 class RecentBatches:
@@ -56,7 +32,7 @@ class RecentBatches:
         self.host = HostArena()
 
     def record(self, inputs: Any) -> None:
-        self._current.append(_map_tensors(inputs, self._to_host))
+        self._current.append(map_tensors(inputs, self._to_host))
 
     def end_step(self, step: int) -> None:
         self._steps[step] = self._current
@@ -72,7 +48,7 @@ class RecentBatches:
 
     def nbytes(self) -> int:
         """Host bytes held: the pinned buffers on GPU, the inputs kept on the CPU (the current step's included)."""
-        kept = [t for b in [*self._steps.values(), self._current] for t in _tensors(b) if t.device.type == "cpu"]
+        kept = [t for b in [*self._steps.values(), self._current] for t in tensors(b) if t.device.type == "cpu"]
         return self.host.nbytes() + sum(t.numel() * t.element_size() for t in kept if not self.host.holds(t))
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -94,9 +70,9 @@ def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) ->
     names = {module: name for name, module in model.named_modules()}
 
     def hook(module, inputs, output):
-        if not found and _nonfinite(output):
+        if not found and any_nonfinite(output):
             found.update(module=names.get(module, type(module).__name__), type=type(module).__name__)
-            found["input_finite"] = not _nonfinite(inputs)
+            found["input_finite"] = not any_nonfinite(inputs)
 
     handles = [module.register_forward_hook(hook) for module in model.modules()]
     try:
@@ -110,7 +86,7 @@ def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) ->
     finally:
         for handle in handles:
             handle.remove()
-    return found or {"module": None, "loss_finite": not _nonfinite(loss)}
+    return found or {"module": None, "loss_finite": not any_nonfinite(loss)}
 
 
 def localize(model: torch.nn.Module, micro_batches: list[Any], replay: Callable[[Any], Any], device: Any) -> dict:
@@ -124,7 +100,7 @@ def localize(model: torch.nn.Module, micro_batches: list[Any], replay: Callable[
     """
     found = None
     for index, batch in enumerate(micro_batches):
-        on_device = _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+        on_device = map_tensors(batch, lambda t: t.to(device, non_blocking=True))
         result = first_nonfinite_module(model, lambda: replay(on_device))
         if found is None and (result.get("module") or result.get("reason") or not result.get("loss_finite", True)):
             if result.get("module") is None and "reason" not in result:

@@ -1,11 +1,11 @@
 """The guard's actions on a verdict: record skips and overflows, roll back to the last good state, or stop the run.
 
 A rollback puts back the weights and optimizer state of the last snapshot, the best-model bookkeeping with them, and
-backs the learning rate off. It rewinds nothing else: `global_step`, the data position, the LR schedule position, the
-loss scaler and the token counters go on, so the run keeps its length, resume stays exact and logs stay monotonic
-(README, "The run's timeline").
+backs the learning rate off ([`scale_learning_rate`]). It rewinds nothing else: `global_step`, the data position, the
+LR schedule position, the loss scaler and the token counters go on, so the run keeps its length, resume stays exact and
+logs stay monotonic (README, "The run's timeline").
 
-Each function takes the collaborators it acts on (the trainer, the [`Snapshotter`], the [`EventLog`]) and the values
+Each function takes the collaborators it acts on (the trainer, the [`RollbackSource`], the [`EventLog`]) and the values
 it reports, does its action and returns what it did (a [`Restored`] record, a count, an event); the guard decides when
 to call them and keeps its own counters and per-window state up to date from what they return.
 """
@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ..errors import TrainingDivergedError
+from .backends import unwrap_optimizer
+from .checkpoint_dirs import checkpoint_dir
 from .events import EventLog, NanEvent
 from .frozen import repair_frozen
+from .good_state import RollbackSource, param_groups
 from .policy import StepRecord, Verdict
-from .snapshot import Snapshotter, scale_learning_rate
 from .state import GuardState
 
 logger = logging.getLogger("safe_trainers")
@@ -52,7 +54,7 @@ class Restored:
         return list(range(self.step + 1, self.at_step + 1)) if self.step is not None else []
 
 
-def restore_last_good(trainer: Any, snapshotter: Snapshotter, lr_backoff: float) -> Restored:
+def restore_last_good(trainer: Any, snapshotter: RollbackSource, lr_backoff: float) -> Restored:
     """Put the last snapshot's weights, optimizer state and best-model fields back, multiply the learning rate by
     `lr_backoff`, and drop the rollouts a generating trainer (GRPO/RLOO) buffered from the discarded policy."""
     at_step = trainer.state.global_step
@@ -61,12 +63,34 @@ def restore_last_good(trainer: Any, snapshotter: Snapshotter, lr_backoff: float)
     if best is not None and not os.path.isdir(best):
         # The kept timeline's best checkpoint was rotated away while a discarded one was "best": no best now.
         trainer.state.best_model_checkpoint = trainer.state.best_metric = trainer.state.best_global_step = None
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    lr = scale_learning_rate(optimizer, trainer.lr_scheduler, lr_backoff)
+    lr = scale_learning_rate(unwrap_optimizer(trainer.optimizer), trainer.lr_scheduler, lr_backoff)
     discard = getattr(trainer, "discard_rollouts", None)
     if discard is not None:
         discard()  # GRPO/RLOO: completions sampled by the discarded policy
     return Restored(snap.step, at_step, learning_rate=lr, lr_factor=lr_backoff)
+
+
+# -- the learning-rate backoff: the current and the scheduled learning rates, scaled together; the factor is kept
+# with the guard's state (`GuardState.lr_scale`) and undone when a new run starts on the same trainer.
+def scale_learning_rate(optimizer: Any, scheduler: Any, factor: float) -> float:
+    """Multiply the current and scheduled learning rates by `factor`; return the new learning rate of group 0."""
+    for group in param_groups(optimizer):
+        group["lr"] = group["lr"] * factor
+        if "initial_lr" in group:
+            group["initial_lr"] = group["initial_lr"] * factor
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps the torch one
+    if inner is not None and hasattr(inner, "base_lrs"):
+        inner.base_lrs = [lr * factor for lr in inner.base_lrs]
+        if hasattr(inner, "_last_lr"):
+            inner._last_lr = [g["lr"] for g in param_groups(optimizer)]
+    groups = param_groups(optimizer)
+    return groups[0]["lr"] if groups else float("nan")
+
+
+def undo_backoff(optimizer: Any, lr_scale: float) -> None:
+    """Take a previous run's backoff (`lr_scale`, the product of its factors) off `optimizer`'s learning rates."""
+    if optimizer is not None and lr_scale != 1.0:
+        scale_learning_rate(optimizer, None, 1.0 / lr_scale)
 
 
 def record_rollback(
@@ -133,7 +157,7 @@ def _steps(steps: list[int]) -> str:
     return f"steps {', '.join(map(str, steps))}"
 
 
-def restore_at_end(trainer: Any, snapshotter: Snapshotter, events: EventLog, damaged_ranks: list[int]) -> Restored:
+def restore_at_end(trainer: Any, snapshotter: RollbackSource, events: EventLog, damaged_ranks: list[int]) -> Restored:
     """When training has ended with a state damaged after the guard's last check (a callback later in the list, at
     the last `on_step_end` or at `on_train_end`): put back the last good state, so that `save_model()` writes a finite
     model. The best checkpoint when `load_best_model_at_end` loaded one (it is what the run ends with; a damaged
@@ -176,7 +200,7 @@ def abort(
     checkpoint = None
     try:
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-        checkpoint = os.path.join(trainer._get_output_dir(trial=None), f"checkpoint-{restored.at_step}")
+        checkpoint = checkpoint_dir(trainer._get_output_dir(trial=None), restored.at_step)
     except Exception as error:  # report, but never hide the divergence behind a save error
         logger.error(f"NaN guard: could not save the last good state: {error}")
     detail = {
@@ -249,6 +273,20 @@ def record_overflows(events: EventLog, overflows: list[StepRecord]) -> int:
     for record in overflows:
         events.add(NanEvent(record.step, "overflow", ["grad_norm"], [], {"loss": record.loss}))
     return len(overflows)
+
+
+def record_rewards(events: EventLog, step: int, nonfinite: int, total: int, whole_groups: int) -> NanEvent:
+    """GRPO/RLOO: some rewards of step `step` came back NaN/None/Inf (gathered counts, identical on every rank)."""
+    detail = {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups}
+    return events.add(NanEvent(step, "reward", ["rewards"], [], detail))
+
+
+def nonfinite_start_message(ranks: list[int]) -> str:
+    """Why training cannot start under the guard: the state is non-finite before the first step."""
+    return (
+        f"The model's weights or optimizer state are already non-finite before the first step (rank(s) {ranks}): "
+        "there is no good state to keep. Check the checkpoint you load, or the dtype it is loaded in."
+    )
 
 
 def refuse_save(events: EventLog, step: int) -> NanEvent:

@@ -18,53 +18,24 @@ parameters and moments: placements never change, so taking and restoring a snaps
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .backends import Backend
 from .frozen import repair_frozen
+from .good_state import Snapshot, best_model_fields, kept_hyperparameters
 from .host_buffers import HostBuffers, copy_to_host
 from .sharding import is_sharded, like, local, reshard
 
 
-@dataclass
-class Snapshot:
-    """The last good training state (see module docstring). `step` is the optimizer step it was taken after.
-
-    `placements` records, for each optimizer state tensor `(parameter index, key)`, the device it was copied from and
-    whether it was a `DTensor`: a restore that finds no live tensor to copy into recreates it there.
-    """
-
-    step: int = -1
-    epoch: float = 0.0
-    counters: dict[str, Any] = field(default_factory=dict)
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    optimizer_state: dict[int, dict[str, Any]] = field(default_factory=dict)
-    placements: dict[tuple[int, str], tuple[torch.device, bool]] = field(default_factory=dict)
-    deepspeed_state: Any = None
-    ready: Any = None  # a CUDA event recorded after the copies were queued
-
-    @property
-    def taken(self) -> bool:
-        return self.step >= 0
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-
-BEST_MODEL_FIELDS = ("best_metric", "best_global_step", "best_model_checkpoint")
-
-
 class Snapshotter:
-    """Takes and restores [`Snapshot`]s of one trainer's state.
+    """Takes and restores [`Snapshot`]s of one trainer's state in host memory (a [`RollbackSource`]).
 
     Args:
         model (`torch.nn.Module`): the unwrapped model (`trainer.model`).
-        optimizer (`torch.optim.Optimizer`): the torch optimizer (accelerate's wrapper is unwrapped), or the
-            DeepSpeed ZeRO optimizer.
-        deepspeed_stage (`int | None`): the ZeRO stage when DeepSpeed owns the optimizer, else `None`.
+        backend ([`Backend`]): what the guard bound to: the torch optimizer (accelerate's wrapper unwrapped) or the
+            DeepSpeed ZeRO optimizer, and the ZeRO stage.
         resumed_from (`str | None`): the checkpoint `train()` resumed from, if any: with the checkpoints this run
             publishes, where a damaged frozen parameter may be restored from.
     """
@@ -72,13 +43,12 @@ class Snapshotter:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: Any,
-        deepspeed_stage: int | None = None,
+        backend: Backend,
         resumed_from: str | None = None,
     ):
         self.model = model
-        self.optimizer = optimizer
-        self.deepspeed_stage = deepspeed_stage
+        self.backend = backend
+        self.optimizer, self.deepspeed_stage = backend.optimizer, backend.zero_stage
         self.snapshot = Snapshot()
         self.host = HostBuffers()
         self.checkpoints: list[str] = [resumed_from] if resumed_from else []
@@ -103,7 +73,7 @@ class Snapshotter:
             snap.placements = _placements(live["optimizer"])
             held = copy_to_host(live, self.host)
             snap.params, snap.optimizer_state = held["params"], held["optimizer"]
-        snap.counters = {k: getattr(state, k) for k in BEST_MODEL_FIELDS if hasattr(state, k)}
+        snap.counters = best_model_fields(state)
         snap.step = state.global_step
         if torch.cuda.is_available():
             snap.ready = torch.cuda.Event()
@@ -117,7 +87,7 @@ class Snapshotter:
 
     def refresh_best_fields(self, state: Any) -> None:
         """Record the best-model fields as they are now, for the weights already in the snapshot."""
-        self.snapshot.counters = {k: getattr(state, k) for k in BEST_MODEL_FIELDS if hasattr(state, k)}
+        self.snapshot.counters = best_model_fields(state)
 
     # -- restoring ----------------------------------------------------------------------------------------------
     def restore(self, state: Any) -> Snapshot:
@@ -132,8 +102,8 @@ class Snapshotter:
             raise RuntimeError("No good state to restore: the NaN guard has not taken a snapshot yet.")
         snap.wait()
         reshard(self.model)
-        live_groups = [{k: v for k, v in g.items() if k != "params"} for g in _groups(self.optimizer)]
-        with torch.no_grad():
+        # DeepSpeed's `load_state_dict` would bring the snapshot's hyperparameters back: the live ones are kept.
+        with torch.no_grad(), kept_hyperparameters(self.optimizer):
             if self.deepspeed_stage is not None:
                 _restore_deepspeed(self.optimizer, self.deepspeed_stage, snap.deepspeed_state, snap.placements)
             else:
@@ -141,31 +111,10 @@ class Snapshotter:
                     if name in snap.params:
                         local(param).copy_(snap.params[name], non_blocking=True)
                 _restore_optimizer_state(self.optimizer, snap.optimizer_state, snap.placements)
-        for group, live in zip(_groups(self.optimizer), live_groups):
-            group.update(live)  # DeepSpeed's `load_state_dict` brings the snapshot's hyperparameters back
         for key, value in snap.counters.items():
             setattr(state, key, value)
         repair_frozen(self.model, self.checkpoints, state.global_step, held=snap.params)
         return snap
-
-
-def scale_learning_rate(optimizer: Any, scheduler: Any, factor: float) -> float:
-    """Multiply the current and scheduled learning rates by `factor`; return the new learning rate of group 0."""
-    for group in _groups(optimizer):
-        group["lr"] = group["lr"] * factor
-        if "initial_lr" in group:
-            group["initial_lr"] = group["initial_lr"] * factor
-    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps the torch one
-    if inner is not None and hasattr(inner, "base_lrs"):
-        inner.base_lrs = [lr * factor for lr in inner.base_lrs]
-        if hasattr(inner, "_last_lr"):
-            inner._last_lr = [g["lr"] for g in _groups(optimizer)]
-    groups = _groups(optimizer)
-    return groups[0]["lr"] if groups else float("nan")
-
-
-def _groups(optimizer: Any) -> list[dict]:
-    return list(getattr(optimizer, "param_groups", []))
 
 
 def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -11,10 +11,12 @@ guard touches, and how each keeps its contract:
   path always names a published checkpoint; `on_save` and hub uploads only ever see published checkpoints.
 * `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
 * resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
-  and a restart by the elastic agent take the newest complete and finite checkpoint (`restart.py`).
-* crashes: the step record is kept on disk and a poisoned step's batches are not trained (`step_progress.py`); a run
-  resumed at its last step (a restart after `train()` returned) trains no step past `max_steps`.
-* rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones (`rotation.py`).
+  and a restart by the elastic agent take the newest complete and finite checkpoint (`restarts/resume_plan.py`).
+* crashes: the step record is kept on disk and a poisoned step's batches are not trained
+  (`restarts/record_callback.py`); a run resumed at its last step (a restart after `train()` returned) trains no step
+  past `max_steps`.
+* rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones
+  (`restarts/rotation.py`).
 """
 
 from __future__ import annotations
@@ -22,37 +24,63 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import TrainOutput
 
 from ..errors import NonFiniteWeightsError
-from .checkpoint import STAGING_DIR, all_finite, checkpoint_step, clean_staging, publish, staging_run_dir
+from ..restarts.record_callback import StepProgressCallback
+from ..restarts.resume_plan import record_resume, resolve_run
+from ..restarts.rotation import rotate_up_to
+from ..restarts.run_control import after_boundary, after_train, preempted_at_end
+from .checkpoint_dirs import STAGING_DIR, checkpoint_dir, checkpoint_step, clean_staging, publish, staging_run_dir
+from .finite import all_finite
 from .guard import NanGuard
 from .hooks_ran import HooksRan, verify_hooks
 from .recovery import refuse_save
-from .restart import record_resume, resolve_run
-from .rotation import rotate_up_to
-from .run_control import after_boundary, after_train, preempted_at_end
-from .step_progress import StepProgressCallback
 
 logger = logging.getLogger("safe_trainers")
-TRAINER_STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class ClosedWindow:
+    """A log window the ledger closed where the Trainer decided to log (`loss`: the mean over its applied steps, or
+    `None` when the Trainer's own value stands), waiting for the Trainer's `log` call of that window."""
+
+    loss: float | None
+
+
+@dataclass
+class HookState:
+    """What the hooks below carry from one Trainer call to the next (one per trainer, made with its guard).
+
+    Args:
+        staging (`bool`): `_save_checkpoint` is writing a checkpoint: the Trainer's `_get_output_dir` answers the
+            staging directory, and `_push_from_checkpoint` waits for the published one.
+        starting_checkpoint (`bool`): the checkpoint being written is the run's starting state (never uploaded).
+        window ([`ClosedWindow`] or `None`): closed by `_maybe_log_save_evaluate`, taken by `log`.
+        last_finite_total_loss (`float`): the Trainer's last finite running loss total, put back over a NaN one.
+    """
+
+    staging: bool = False
+    starting_checkpoint: bool = False
+    window: ClosedWindow | None = None
+    last_finite_total_loss: float = 0.0
 
 
 class NanGuardTrainerMixin:
-    """Mixed in before a `transformers.Trainer` subclass; active when `self.nan_guard` is a [`NanGuard`]."""
+    """Mixed in before a `transformers.Trainer` subclass; active when `self.nan_guard` is a [`NanGuard`] (and then
+    `self.guard_hooks` is its [`HookState`])."""
 
     nan_guard: NanGuard | None = None
     step_progress: StepProgressCallback | None = None
-    preemption: Any = None  # `PreemptionCallback` and `HangWatchdog`, see `run_control.py`
+    preemption: Any = None  # `PreemptionCallback` and `HangWatchdog`, see `restarts/run_control.py`
     hang_watchdog: Any = None
     hooks_ran: HooksRan | None = None  # marked by the hooks below when they run (`hooks_ran.py`)
-    _staging_checkpoint = False
-    _starting_checkpoint = False
-    _last_finite_total_loss = 0.0
-    _guard_window: tuple[float | None] | None = None  # closed by `_maybe_log_save_evaluate`, read by `log`
+    guard_hooks: HookState | None = None
 
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
@@ -140,7 +168,7 @@ class NanGuardTrainerMixin:
             if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
                 # The Trainer logs its loss window now, on every rank (as the ledger's collective needs); a
                 # `log({"loss": ...})` from anywhere else leaves the window alone.
-                self._guard_window = (guard.ledger.close_window(),)
+                self.guard_hooks.window = ClosedWindow(guard.ledger.close_window())
         super()._maybe_log_save_evaluate(*args, **kwargs)
         after_boundary(self)  # the step every rank stops at for a preemption has saved: exit
 
@@ -148,17 +176,18 @@ class NanGuardTrainerMixin:
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         guard = self.nan_guard
         if guard is not None:
-            if "loss" in logs and self._guard_window is not None:  # the Trainer's own window log
-                (window_loss,), self._guard_window = self._guard_window, None
-                if window_loss is not None:
-                    logs["loss"] = window_loss
+            hooks = self.guard_hooks
+            if "loss" in logs and hooks.window is not None:  # the Trainer's own window log
+                window, hooks.window = hooks.window, None
+                if window.loss is not None:
+                    logs["loss"] = window.loss
                 # The Trainer's running totals must not stay NaN forever after a skipped step.
                 if isinstance(self._tr_loss, torch.Tensor) and not bool(torch.isfinite(self._tr_loss)):
                     self._tr_loss.zero_()
                 if math.isfinite(self._total_loss_scalar):
-                    self._last_finite_total_loss = self._total_loss_scalar
+                    hooks.last_finite_total_loss = self._total_loss_scalar
                 else:
-                    self._total_loss_scalar = self._last_finite_total_loss
+                    self._total_loss_scalar = hooks.last_finite_total_loss
             if "train_loss" in logs:
                 value = guard.ledger.train_loss()
                 if value is not None:
@@ -170,13 +199,13 @@ class NanGuardTrainerMixin:
     # ------------------------------------------------------------------ checkpoints
     def _get_output_dir(self, trial) -> str:
         run_dir = super()._get_output_dir(trial)
-        if not self._staging_checkpoint:
+        if self.nan_guard is None or not self.guard_hooks.staging:
             return run_dir
         self.hooks_ran.ran("_get_output_dir", self.state.global_step)  # the Trainer's save asked where to write
         return staging_run_dir(run_dir)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        if not self._staging_checkpoint:  # uploaded once published (see `_save_checkpoint`)
+        if self.nan_guard is None or not self.guard_hooks.staging:  # uploaded once published (see `_save_checkpoint`)
             super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -191,24 +220,23 @@ class NanGuardTrainerMixin:
             self.hooks_ran.refused_save = step
             return
         run_dir = self._get_output_dir(trial)
-        name = f"checkpoint-{step}"
-        staged, final = os.path.join(staging_run_dir(run_dir), name), os.path.join(run_dir, name)
-        self._staging_checkpoint = True
+        staged, final = checkpoint_dir(staging_run_dir(run_dir), step), checkpoint_dir(run_dir, step)
+        self.guard_hooks.staging = True
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            self._staging_checkpoint = False
+            self.guard_hooks.staging = False
         verify_hooks(self, "save")  # the Trainer wrote to the staging directory, or the run stops here
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_FILE))  # with the published best path
+            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
             guard.state.save(staged, guard.spikes)  # with the spike window
             publish(staged, final)
         if guard.snapshotter is not None:
             guard.snapshotter.published(final)
         self.accelerator.wait_for_everyone()
-        if self.args.push_to_hub and not self._starting_checkpoint:
+        if self.args.push_to_hub and not self.guard_hooks.starting_checkpoint:
             self._push_from_checkpoint(final)
         if self.args.should_save:
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
@@ -218,11 +246,11 @@ class NanGuardTrainerMixin:
     def save_starting_checkpoint(self) -> None:
         """Publish the state training starts from as a checkpoint, for `nan_rollback_from="checkpoint"` (verified
         and staged like any checkpoint; not uploaded to the Hub)."""
-        self._starting_checkpoint = True
+        self.guard_hooks.starting_checkpoint = True
         try:
             self._save_checkpoint(self.model_wrapped, trial=None)
         finally:
-            self._starting_checkpoint = False
+            self.guard_hooks.starting_checkpoint = False
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if self.nan_guard is not None and self.args.should_save:
@@ -236,7 +264,7 @@ class NanGuardTrainerMixin:
 def _published_best(state: Any, run_dir: str, step: int) -> str | None:
     """The best checkpoint as a published path: the Trainer computed it inside the staging directory."""
     if state.best_global_step:
-        path = os.path.join(run_dir, f"checkpoint-{state.best_global_step}")
+        path = checkpoint_dir(run_dir, state.best_global_step)
         if state.best_global_step == step or os.path.isdir(path):
             return path
     current = state.best_model_checkpoint

@@ -18,7 +18,9 @@ class SnapshotFits(Rule):
         `nan_rollback_from` becomes `"checkpoint"` (the guard keeps no host copy and a rollback reloads the newest
         verified checkpoint) when the snapshots of one node, estimated from the model, its trainable parameters, the
         distributed strategy and the number of ranks per node, would take more than half the host memory available
-        when the trainer is built. Applied to the guard's settings (`trainer.safety_settings`), not to your config.
+        when the trainer is built. Applied to the guard's settings (`trainer.safety_settings`), not to your config: the
+        guard reads its source there (`NanGuard.rollback_from`) and, when training starts, logs it next to the
+        configured one.
 
     Why:
         a full fine-tune keeps weights plus two Adam moments per trainable parameter; under DDP every rank holds all

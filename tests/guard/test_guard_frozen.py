@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard import read_events
-from safe_trainers.guard.checkpoint import CHUNK_BYTES
+from safe_trainers.guard.finite import CHUNK_BYTES
 from safe_trainers.guard.frozen import file_keys, repair_frozen, source_matches
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault, first_frozen_matrix

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import types
 
 import pytest
 
+from safe_trainers.arguments import SafetyArguments
 from safe_trainers.guard import read_events
-from safe_trainers.guard.memory import RunShape, per_node_bytes
+from safe_trainers.guard.good_state import rollback_source
+from safe_trainers.guard.snapshot_memory import RunShape, per_node_bytes
 from safe_trainers.rules.memory import HOST_MEMORY_SHARE, SnapshotFits
+from safe_trainers.rules.report import Change, Finding
 from safe_trainers.rules.stages import built_view
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
@@ -45,15 +50,34 @@ def test_switches_to_the_checkpoint_only_when_the_copy_would_not_fit(trainer, sh
         assert "GiB per node" in finding.message and "memory.snapshot_fits" in finding.message
 
 
-def test_the_fix_makes_the_guard_roll_back_from_the_checkpoint(trainer, tmp_path):
+def test_the_fix_makes_the_guard_roll_back_from_the_checkpoint(trainer, tmp_path, caplog):
     view = built_view(trainer)
     finding = RULE.check_built(dataclasses.replace(view, host_memory_available=view.snapshot_bytes_per_node))
     RULE.apply_built(trainer, finding)
+    trainer.safety_report.findings.append(finding)  # as `run_built_rules` records it
     assert trainer.args.nan_rollback_from == "memory"  # the user's config is not touched
-    trainer.train()
+    with caplog.at_level(logging.WARNING, logger="safe_trainers"):
+        trainer.train()
+    # The guard says which source it uses, that the config says otherwise, and which rule decided.
+    assert trainer.nan_guard.rollback_from == "checkpoint"
+    said = [r.getMessage() for r in caplog.records if "NaN guard: rolls back from checkpoint" in r.getMessage()]
+    assert len(said) == 1 and "`memory.snapshot_fits` rule" in said[0] and "`nan_rollback_from='memory'`" in said[0]
     rollback = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
     assert [e["restored_step"] for e in rollback] == [4]  # the checkpoint, not the step-6 host copy
     assert trainer.nan_guard.snapshotter.snapshot.params == {}
+
+
+def test_the_guard_agrees_with_the_config_or_says_where_it_differs():
+    settings = SafetyArguments(nan_rollback_from="checkpoint")
+    configured = types.SimpleNamespace(nan_rollback_from="checkpoint")
+    assert rollback_source(settings, configured) == ("checkpoint", None)  # they agree: nothing to say
+    changed = types.SimpleNamespace(nan_rollback_from="memory")
+    source, note = rollback_source(settings, changed)
+    assert source == "checkpoint" and "set by the guard's settings" in note and "'memory'" in note
+    fixed = Finding(RULE.id, "fixed", "...", (Change("safety_settings.nan_rollback_from", "memory", "checkpoint"),))
+    other = Finding("optim.grad_clip", "fixed", "...", (Change("args.max_grad_norm", 0.0, 1.0),))
+    report = types.SimpleNamespace(findings=[fixed, other])
+    assert "set by the `memory.snapshot_fits` rule" in rollback_source(settings, changed, report)[1]
 
 
 @pytest.mark.parametrize("overrides", [{"nan_guard": False}, {"nan_rollback_from": "checkpoint"}])

@@ -6,7 +6,6 @@ lacks (nor does the table keep a name the source no longer touches)."""
 from __future__ import annotations
 
 import re
-import types
 from importlib import metadata
 from pathlib import Path
 

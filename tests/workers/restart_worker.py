@@ -1,6 +1,6 @@
 """Train DPO on a toy model under torchrun's elastic agent, killing the process (SIGKILL) at chosen steps.
 
-Launched by tests/guard/test_guard_restart.py and test_guard_restart_cluster.py, e.g.:
+Launched by tests/restarts/test_crash_restarts.py and test_cluster_launches.py, e.g.:
     torchrun --standalone --nproc_per_node 1 --max-restarts 3 tests/workers/restart_worker.py --model MODEL_DIR \
         --out DIR --kill 6:0 --kill 7:1-
 `--kill STEP:ATTEMPTS[:RANK]` kills the process when it feeds a micro-batch of optimizer step STEP to the model, in

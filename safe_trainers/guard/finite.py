@@ -1,19 +1,15 @@
-"""Checkpoint safety: checks that a state is finite, and the staging directory for write-then-rename saves."""
+"""Whether a state is finite: the bounded, fused check of the weights and optimizer state (the inspection's hot
+path)."""
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
+from .nested import tensors as nested_tensors
 from .sharding import local
-
-STAGING_DIR = ".safe_trainers_staging"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
 
 # The most bytes a pass over the state holds beyond its inputs, per piece: a check reads every tensor in flat pieces
 # of at most this many bytes (whatever the tensor's dtype, in elements of at least 4 bytes), so that no precision or
@@ -73,6 +69,12 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack([f.to(values[0].device) for f in values]).all()
 
 
+def any_nonfinite(value: Any) -> bool:
+    """Whether a tensor, or any floating tensor of a nested structure of them, holds a NaN or Inf (a host sync; read
+    in bounded pieces by [`all_finite`], with no copy of a whole tensor)."""
+    return not bool(all_finite(nested_tensors(value)))
+
+
 def _max_magnitudes(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """The largest magnitude of each piece (NaN if it holds one), in one fused launch."""
     return list(torch._foreach_norm(pieces, ord=float("inf")))
@@ -115,41 +117,3 @@ def deepspeed_state_tensors(optimizer, stage: int) -> list[torch.Tensor]:
     else:
         tensors = list(optimizer.single_partition_of_fp32_groups) + list(optimizer.bit16_groups_flat)
     return tensors + optimizer_tensors(optimizer.optimizer)
-
-
-def staging_run_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, STAGING_DIR)
-
-
-def publish(staged: str, final: str) -> None:
-    """Move a fully written checkpoint from the staging directory to its final name (atomic on one filesystem)."""
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(staged, final)
-    staging = os.path.dirname(staged)
-    if not os.listdir(staging):
-        os.rmdir(staging)
-
-
-def clean_staging(run_dir: str) -> list[str]:
-    """Remove half-written checkpoints left by a crash during saving; return what was removed."""
-    staging = staging_run_dir(run_dir)
-    if not os.path.isdir(staging):
-        return []
-    removed = [os.path.join(staging, name) for name in os.listdir(staging)]
-    shutil.rmtree(staging, ignore_errors=True)
-    return removed
-
-
-def checkpoint_step(path: str) -> int | None:
-    """The step of a `checkpoint-N` directory (`None` for any other name)."""
-    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
-    return int(match.group(1)) if match else None
-
-
-def checkpoints(run_dir: str) -> list[str]:
-    """The published `checkpoint-N` directories of `run_dir`, oldest first."""
-    if not os.path.isdir(run_dir):
-        return []
-    found = [(int(m.group(1)), name) for name in os.listdir(run_dir) if (m := _CHECKPOINT.match(name))]
-    return [os.path.join(run_dir, name) for _, name in sorted(found)]

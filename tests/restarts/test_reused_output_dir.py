@@ -1,7 +1,7 @@
-"""Restarts in one `output_dir` reused across runs, and deaths outside a step (review findings of issue 15).
+"""Restarts in one `output_dir` reused across runs, and deaths outside a step.
 
 Each test writes the record a killed process leaves (`ProgressWriter`) and sets the elastic agent's restart count, as
-torchrun does for a restarted worker; the end-to-end restarts under torchrun are in `test_guard_restart.py`.
+torchrun does for a restarted worker; the end-to-end restarts under torchrun are in `test_crash_restarts.py`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from guard_utils import recording
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.progress import Death, History, ProgressWriter, data_identity, read_progress
-from safe_trainers.guard.launch import TrainCalls, agent_identity, launch_agents
-from safe_trainers.guard.restart import NOT_THIS_LAUNCHS
-from safe_trainers.guard.step_progress import can_leave_out_a_step
+from safe_trainers.restarts.step_record import Death, History, ProgressWriter, data_identity, read_progress
+from safe_trainers.restarts.launch import TrainCalls, agent_identity, launch_agents
+from safe_trainers.restarts.resume_plan import NOT_THIS_LAUNCHS
+from safe_trainers.restarts.record_callback import can_leave_out_a_step
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainers import trainer_class
 

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from transformers.trainer_callback import DefaultFlowCallback
 
-from .callback import NanGuardCallback
-from .checkpoint import checkpoint_step
-from .collectives import ranks_with_flag
-from .events import NanEvent
+from ..guard.callback import NanGuardCallback
+from ..guard.checkpoint_dirs import checkpoint_step
+from ..guard.collectives import ranks_with_flag
+from ..guard.events import NanEvent
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback, parse_signals
-from .restart import restart_count
+from .resume_plan import restart_count
 from .watchdog import HangWatchdog, generation_period
 
 logger = logging.getLogger("safe_trainers")

@@ -15,14 +15,14 @@ import time
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints, recording
-from test_guard_restart import REPO, WORKER, assert_uninterrupted_batches, launch_restarting, steps
+from test_crash_restarts import REPO, WORKER, assert_uninterrupted_batches, launch_restarting, steps
 from transformers import TrainerCallback
 
 from safe_trainers.configs import config_class
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard import read_events
-from safe_trainers.guard.preemption import PREEMPTED_EXIT_CODE, Preempted, parse_signals, stop_step
-from safe_trainers.guard.watchdog import HANG_FLOOR, HangWatchdog, hang_bound
+from safe_trainers.restarts.preemption import PREEMPTED_EXIT_CODE, Preempted, parse_signals, stop_step
+from safe_trainers.restarts.watchdog import HANG_FLOOR, HangWatchdog, hang_bound
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.testing.toy import save_toy_model

@@ -22,9 +22,12 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
+from transformers.trainer import TRAINER_STATE_NAME
 
-from .checkpoint import all_finite, checkpoints
-from .completeness import BACKEND_STATE_PREFIXES, TRAINER_STATE, incomplete_checkpoint
+from ..guard.checkpoint_dirs import checkpoints
+from ..guard.finite import any_nonfinite
+from ..guard.nested import named_tensors
+from .completeness import BACKEND_STATE_PREFIXES, incomplete_checkpoint
 
 OPTIMIZER = "optimizer.pt"
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
@@ -74,8 +77,8 @@ def choose_checkpoint(
 
 def checkpoint_problem(path: str) -> str | None:
     """Why `path` cannot be resumed from (incomplete, unreadable, non-finite), or `None` if it can."""
-    if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
-        return f"incomplete: no `{TRAINER_STATE}` (a save that did not finish, or not a Trainer checkpoint)"
+    if not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
+        return f"incomplete: no `{TRAINER_STATE_NAME}` (a save that did not finish, or not a Trainer checkpoint)"
     unfinished = incomplete_checkpoint(path)
     if unfinished is not None:
         return f"incomplete: {unfinished}"
@@ -121,25 +124,9 @@ def _nonfinite_tensors(file: str) -> Iterator[str]:
     if file.endswith(".safetensors"):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if _nonfinite(f.get_tensor(name)):
+                if any_nonfinite(f.get_tensor(name)):  # in bounded pieces, with no copy of the tensor
                     yield name
         return
-    for name, tensor in _tensors(torch.load(file, map_location="cpu", mmap=True, weights_only=True)):
-        if _nonfinite(tensor):
+    for name, tensor in named_tensors(torch.load(file, map_location="cpu", mmap=True, weights_only=True)):
+        if any_nonfinite(tensor):
             yield name
-
-
-def _nonfinite(tensor: torch.Tensor) -> bool:
-    return not bool(all_finite([tensor]))  # in bounded pieces, with no copy of the tensor
-
-
-def _tensors(value, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a nested state dict (an optimizer's `state` / `param_groups`), with a dotted name."""
-    if torch.is_tensor(value):
-        yield prefix, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _tensors(item, f"{prefix}.{i}" if prefix else str(i))

@@ -1,6 +1,7 @@
-"""Review of issue 21's preemption and hang handling: the edges where its contract broke (each test failed before
-its fix). A signal after the last step, a second `train()` call on the same trainer, the diagnosis replay inside
-the watchdog's timed window.
+"""A preemption at the end of a run, and what the hang watchdog times: a signal during or after the last step keeps
+the finished run (published, exit 75, nothing trained or saved again on restart), on one process and on one rank of
+two; each `train()` call learns its own hang bound; the diagnosis replay is not timed, the guard's verification
+before a save or an evaluation is.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from typing import ClassVar
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints
-from test_guard_restart import launch_restarting, steps
+from test_crash_restarts import launch_restarting, steps
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.preemption import PREEMPTED_EXIT_CODE, Preempted
-from safe_trainers.guard.progress import read_progress
+from safe_trainers.restarts.preemption import PREEMPTED_EXIT_CODE, Preempted
+from safe_trainers.restarts.step_record import read_progress
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.trainers import trainer_class

@@ -1,4 +1,6 @@
-"""Regression tests for the cases an adversarial review of the guard found (each failed before its fix)."""
+"""Edges of the guard's bookkeeping: the best model across a rollback, the reference-model sync, saves and evaluations
+asked for by a later callback, the replay's metrics, a second `train()` call's learning rate, the event log across a
+resume, the fault step across inspection windows, the spike statistics and a user's own loss log (each failed once)."""
 
 from __future__ import annotations
 
@@ -136,11 +138,12 @@ def test_resume_true_without_a_checkpoint_keeps_the_event_log(toy_models, tmp_pa
         save_strategy="no",
     ).train()
     trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=2, save_strategy="no")
-    try:
+    # Refused before the guard starts a run: the earlier run's log is neither replaced nor moved aside.
+    with pytest.raises(ValueError, match=r"`resume_from_checkpoint=True` found no checkpoint to resume from"):
         trainer.train(resume_from_checkpoint=True)
-    except ValueError:
-        pass  # transformers: no checkpoint to resume from
     assert [e["step"] for e in read_events(str(tmp_path))] == [1]
+    assert not os.path.exists(tmp_path / "nan_events.previous-1.jsonl")
+    assert trainer.state.global_step == 0  # nothing trained
 
 
 def test_fault_step_counts_back_across_inspection_windows():

@@ -19,11 +19,11 @@ from guard_utils import nonfinite_in_checkpoints, recording
 from safetensors.torch import load_file, save_file
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.progress import (
+from safe_trainers.restarts.step_record import (
     Death, History, Poisoned, Progress, ProgressWriter, inherit, poison, read_progress,
 )  # fmt: skip
-from safe_trainers.guard.restart import NOT_THIS_LAUNCHS, plan_resume, this_launchs
-from safe_trainers.guard.resume import CheckpointChoice
+from safe_trainers.restarts.resume_plan import NOT_THIS_LAUNCHS, plan_resume, this_launchs
+from safe_trainers.restarts.checkpoint_choice import CheckpointChoice
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.toy import save_toy_model
 from safe_trainers.trainers import trainer_class

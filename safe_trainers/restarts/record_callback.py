@@ -1,6 +1,6 @@
 """`StepProgressCallback`: keeps the step record on disk and skips the batches of a poisoned step.
 
-The record (see `progress.py`) is rewritten by the main process when each optimizer step begins and ends, when a
+The record (see `step_record.py`) is rewritten by the main process when each optimizer step begins and ends, when a
 checkpoint is published (the record lists the launch's checkpoints), and when training ends (with what `train()`
 returns). A step whose batches killed the process `skip_step_after_crashes` times in a row is
 *poisoned*: when it comes, its micro-batches are taken from the dataloader as usual (so every other step reads exactly
@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
-from .events import NanEvent
-from .progress import History, Phase, Poisoned, ProgressWriter
+from ..guard.checkpoint_dirs import checkpoint_dir
+from ..guard.events import NanEvent
+from .step_record import History, Phase, Poisoned, ProgressWriter
 
 if TYPE_CHECKING:
-    from .guard import NanGuard
+    from ..guard.guard import NanGuard
 
 logger = logging.getLogger("safe_trainers")
 
@@ -82,7 +83,7 @@ class StepProgressCallback(TrainerCallback):
         """The trainer published `checkpoint-<step>` (and rotated): the record lists the steps of this launch's
         checkpoints still in `run_dir`, the only ones a restart of the launch resumes from."""
         steps = sorted(set(self.history.checkpoints) | {step})
-        kept = tuple(s for s in steps if os.path.isdir(os.path.join(run_dir, f"checkpoint-{s}")))
+        kept = tuple(s for s in steps if os.path.isdir(checkpoint_dir(run_dir, s)))
         self._update(replace(self.history, checkpoints=kept))
 
     def finished(self, output: Any) -> None:

@@ -4,8 +4,8 @@ A process killed by a signal (SIGKILL, SIGFPE, a segfault, a CUDA device-side as
 anything. torchrun's elastic agent (`torchrun --max-restarts N`, `accelerate launch --max_restarts N`) starts the
 workers again, with the same command line, and tells them so in `TORCHELASTIC_RESTART_COUNT` (its documented contract
 with the workers). With `resume_on_restart=True` such a restarted `train()` resumes from the newest complete and finite
-checkpoint of `output_dir` with nothing else passed, as `resume_from_checkpoint=True` does (see `resume.py`), and
-inherits the run's history of deaths (see `progress.py`).
+checkpoint of `output_dir` with nothing else passed, as `resume_from_checkpoint=True` does (see
+`checkpoint_choice.py`), and inherits the run's history of deaths (see `step_record.py`).
 
 It trusts only what its own launch wrote: the step record names the launch by what the elastic agent keeps across
 its restarts (see `launch.py`; never a parent process id or a file time), the script's `train()` call, and the
@@ -28,18 +28,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from .checkpoint import checkpoint_step
-from .events import NanEvent
+from ..guard.checkpoint_dirs import checkpoint_step
+from ..guard.events import NanEvent
+from .checkpoint_choice import CheckpointChoice, PassedOver, checkpoint_problem, choose_checkpoint
 from .launch import TrainCalls, agent_identity, launch_agents, restart_count, same_launch
-from .progress import History, Progress, data_identity, inherit, read_progress
-from .resume import CheckpointChoice, PassedOver, checkpoint_problem, choose_checkpoint
+from .step_record import History, Progress, data_identity, inherit, read_progress
 
 if TYPE_CHECKING:
-    from .guard import NanGuard
+    from ..guard.guard import NanGuard
 
 logger = logging.getLogger("safe_trainers")
 
-Reason = Literal["new", "explicit", "requested", "restart"]
+ResumeReason = Literal["new", "explicit", "requested", "restart"]
 NOT_THIS_LAUNCHS = "not this launch's (an earlier run's, or published after the launch's step record was last written)"
 
 
@@ -54,13 +54,13 @@ class ResumePlan:
         restart (`int`): the launcher's restart count (0: first start, or no elastic agent).
         passed_over ([`PassedOver`] tuple): newer checkpoints that were not usable, newest first, with the reason.
         history ([`History`]): what this process inherits from the run's earlier processes.
-        data (`str`): the run's data identity (see `progress.data_identity`).
+        data (`str`): the run's data identity (see `step_record.data_identity`).
         finished (`bool`): this `train()` call of the launch already finished before the restart: it trains no step
             and returns what it returned then (`history.result`).
     """
 
     checkpoint: str | None
-    reason: Reason
+    reason: ResumeReason
     restart: int = 0
     passed_over: tuple[PassedOver, ...] = ()
     history: History = field(default_factory=History)
@@ -68,7 +68,7 @@ class ResumePlan:
     finished: bool = False
 
 
-def resume_reason(requested: str | bool | None, restart: int, resume_on_restart: bool) -> Reason:
+def resume_reason(requested: str | bool | None, restart: int, resume_on_restart: bool) -> ResumeReason:
     """Why the run resumes, or `"new"`: an explicit path wins, then `True`, then a restart by the elastic agent."""
     if isinstance(requested, str):
         return "explicit"
@@ -132,7 +132,7 @@ def plan_resume(
 
 def this_launchs(record: Progress) -> Callable[[str], str | None]:
     """A checkpoint `problem` for a restart: a checkpoint the launch neither published (the record lists their steps)
-    nor began from is passed over, every other is checked as usual (`resume.checkpoint_problem`)."""
+    nor began from is passed over, every other is checked as usual (`checkpoint_choice.checkpoint_problem`)."""
     origin = os.path.normpath(record.origin) if record.origin else None
 
     def problem(path: str) -> str | None:

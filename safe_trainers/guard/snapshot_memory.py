@@ -16,7 +16,7 @@ bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) a
 
 Example:
     ```python
-    >>> from safe_trainers.guard.memory import RunShape, per_rank_bytes
+    >>> from safe_trainers.guard.snapshot_memory import RunShape, per_rank_bytes
     >>> per_rank_bytes(RunShape("7B LoRA", 7_000_000_000, 40_000_000, "fsdp2", world_size=8)) / 2**30
     0.0558...
     ```

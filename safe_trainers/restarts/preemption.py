@@ -23,7 +23,6 @@ leave an ignored signal ignored, and are put back when training ends. A repeated
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -34,8 +33,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .collectives import distributed, ranks_with_flag
-from .events import NanEvent
+from ..guard.collectives import distributed, ranks_with_flag
+from ..guard.events import NanEvent
 
 logger = logging.getLogger("safe_trainers")
 

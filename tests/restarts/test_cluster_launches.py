@@ -3,7 +3,7 @@ launch with the same rendezvous defaults, shared storage whose clock lags, rotat
 rollback from disk, and checkpoints written in place and cut short.
 
 The end-to-end tests run tests/workers/restart_worker.py under torchrun's elastic agent (`--max-restarts`), as
-test_guard_restart.py does; the pure decisions (launch identity, rotation, file completeness) are tested first.
+test_crash_restarts.py does; the pure decisions (launch identity, rotation, file completeness) are tested first.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import pytest
 import torch
 from guard_utils import checkpoint_steps, recording
 from safetensors.torch import save_file
-from test_guard_restart import assert_uninterrupted_batches, launch_restarting
+from test_crash_restarts import assert_uninterrupted_batches, launch_restarting
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.completeness import incomplete_file
-from safe_trainers.guard.launch import agent_identity, agent_run_dir, find_agent, launch_agents, same_launch
-from safe_trainers.guard.progress import read_progress
-from safe_trainers.guard.rotation import rotation_victims
+from safe_trainers.restarts.completeness import incomplete_file
+from safe_trainers.restarts.launch import agent_identity, agent_run_dir, find_agent, launch_agents, same_launch
+from safe_trainers.restarts.rotation import rotation_victims
+from safe_trainers.restarts.step_record import read_progress
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainers import trainer_class
 

@@ -22,7 +22,8 @@ import os
 import struct
 import zipfile
 
-TRAINER_STATE = "trainer_state.json"
+from transformers.trainer import TRAINER_STATE_NAME
+
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # Directories in which a backend keeps its own sharded state (DeepSpeed's `global_step<N>`, FSDP's model shards).
 BACKEND_STATE_PREFIXES = ("global_step", "pytorch_model_fsdp")
@@ -68,7 +69,7 @@ def _json_problem(path: str, name: str) -> str | None:
             value = json.loads(f.read())
         except ValueError as error:
             return f"does not parse ({type(error).__name__}: {error})"
-    if name == TRAINER_STATE and not (isinstance(value, dict) and isinstance(value.get("global_step"), int)):
+    if name == TRAINER_STATE_NAME and not (isinstance(value, dict) and isinstance(value.get("global_step"), int)):
         return "holds no `global_step`"
     return None
 

@@ -1,0 +1,18 @@
+"""A run that outlives its processes: crash restarts, preemption and hangs (cluster concerns, not the NaN guard).
+
+One module per decision or action:
+
+* `resume_plan`: where `train()` starts (from scratch, the checkpoint it was given, or the newest healthy one), and
+  the `resume` event;
+* `checkpoint_choice`: which checkpoint is the newest complete and finite one, and why each newer one was passed over;
+* `completeness`: whether every file of a checkpoint was written to the end;
+* `launch`: which launch and which of the script's `train()` calls a process is;
+* `step_record`: the step record kept on disk across restarts, and the poisoned-step decision;
+* `record_callback`: the callback that keeps the step record and drops a poisoned step's batches;
+* `rotation`: the `save_total_limit` rotation that keeps a run's own newest checkpoint;
+* `preemption`, `watchdog`, `run_control`: a preemption signal becomes a checkpoint and exit 75, a hung step exit 124;
+  `run_control` wires both into a guarded trainer.
+
+Crash restarts and the healthy resume run with `nan_guard=False` too; preemption and the watchdog ride on the guard's
+per-step all-reduce and verified saves, so they are attached with the guard.
+"""
