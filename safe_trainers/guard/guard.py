@@ -131,7 +131,8 @@ class NanGuard:
 
     def end_of_step(self, grad_norm: Any, dropped: bool = False) -> torch.Tensor:
         """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag.
-        `dropped`: the step's batches were not trained (a poisoned step, see `restarts/record_callback.py`): a skipped step."""
+        `dropped`: the step's batches were not trained (a poisoned step, see `restarts/record_callback.py`): a
+        skipped step."""
         # DeepSpeed has already stepped (inside `backward`); it skips steps with non-finite gradients itself.
         skipped = self.deepspeed and bool(self.trainer.accelerator.optimizer_step_was_skipped)
         step = self.trainer.state.global_step + 1

@@ -6,10 +6,10 @@ The route is chosen from two facts, the loss scaler and the optimizer ([`skip_ro
   non-finite gradients for this optimizer (the `found_inf` tensors `GradScaler.unscale_` leaves for `step` and
   `update`), on the device: the scaler skips the step as it skips an overflow, with no host read of the guard's own
   (a non-fused optimizer's `GradScaler.step` reads its record on the host, as in stock fp16 training). A step with
-  no gradient at all (a poisoned step, whose batches are not trained: see `step_progress.py`) leaves that record
-  empty, which `GradScaler.step` and `GradScaler.update` refuse ("No inf checks were recorded"): the guard writes the
-  record itself then. Like any overflow, the skipped step lowers the scale once; with a non-fused optimizer accelerate
-  reports the step skipped, so the LR schedule holds for that step, as for an overflow in stock fp16 training.
+  no gradient at all (a poisoned step, whose batches are not trained: see `restarts/record_callback.py`) leaves that
+  record empty, which `GradScaler.step` and `GradScaler.update` refuse ("No inf checks were recorded"): the guard
+  writes the record itself then. Like any overflow, the skipped step lowers the scale once; with a non-fused
+  optimizer accelerate reports the step skipped, so the LR schedule holds for that step, as for an overflow in stock fp16 training.
 - `"found_inf"`: a fused torch optimizer (`_step_supports_amp_scaling`) and no scaler: the flag is handed to the
   optimizer as its `found_inf`, which skips the update on the device and undoes its step count; the attribute is
   removed again after the step ([`clear_found_inf`]), so no later step and no pickled optimizer carries it.

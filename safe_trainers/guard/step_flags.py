@@ -82,8 +82,8 @@ class StepFlags:
         the spike detector, keep the record, and return the device skip flag (a fault or a spike).
         `optimizer_skipped`: DeepSpeed already skipped this step. `dropped`: every rank left this step's batches
         untrained (a poisoned step): a fault, whatever the scaler. `rider`: a flag that rides on the same all-reduce
-        (the preemption bit, see `preemption.py`): its `local_bit(device)` is OR-ed across ranks and handed back, on
-        the device, to its `agreed(step, bit)`."""
+        (the preemption bit, see `restarts/preemption.py`): its `local_bit(device)` is OR-ed across ranks and handed
+        back, on the device, to its `agreed(step, bit)`."""
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         norm = (
             grad_norm
