@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 # No Hub access in tests: every model and tokenizer is built locally and loaded from a directory.
@@ -35,3 +36,17 @@ _SLOW_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthChe
 settings.register_profile("ci", max_examples=2, derandomize=True, deadline=None, suppress_health_check=_SLOW_OK)
 settings.register_profile("long", max_examples=25, deadline=None, suppress_health_check=_SLOW_OK)
 settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_deepspeed_shared_memory():
+    """DeepSpeed's CPU accelerator keeps its all-reduce buffers in `/dev/shm` (two 66 MB files per two-process launch)
+    and never removes them, so a whole suite would leave gigabytes of RAM behind. Remove the ones this session's
+    launches created. (A test session running beside another one on the same machine could remove the other's files
+    between its ranks' start-ups; CI runs one session at a time.)"""
+    shm = Path("/dev/shm")
+    pattern = "deepspeed_allreduce_buffer_*"
+    before = set(shm.glob(pattern)) if shm.is_dir() else set()
+    yield
+    for path in set(shm.glob(pattern)) - before if shm.is_dir() else ():
+        path.unlink(missing_ok=True)
