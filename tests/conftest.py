@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 
 # No Hub access in tests: every model and tokenizer is built locally and loaded from a directory.
@@ -35,3 +36,12 @@ _SLOW_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthChe
 settings.register_profile("ci", max_examples=2, derandomize=True, deadline=None, suppress_health_check=_SLOW_OK)
 settings.register_profile("long", max_examples=25, deadline=None, suppress_health_check=_SLOW_OK)
 settings.load_profile("ci")
+
+
+@pytest.fixture
+def config_only_model(toy_models, tmp_path):
+    """A model directory with only a valid `config.json`: loading weights from it raises OSError."""
+    path = tmp_path / "config-only"
+    path.mkdir()
+    shutil.copy(os.path.join(toy_models["qwen2"], "config.json"), path / "config.json")
+    return str(path)
