@@ -47,6 +47,12 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
     _trl_class: ClassVar[type]
     safety_report: SafetyReport
 
+    @property
+    def safety_kind(self) -> str:
+        """The trainer kind whose rules apply (`"sft"`, `"dpo"`, ...): the row of `kinds.py` the class was built
+        from."""
+        return self._safety_kind
+
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
         kind = cls.__dict__.get("_safety_kind")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -50,3 +51,12 @@ def _remove_deepspeed_shared_memory():
     yield
     for path in set(shm.glob(pattern)) - before if shm.is_dir() else ():
         path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def config_only_model(toy_models, tmp_path):
+    """A model directory with only a valid `config.json`: loading weights from it raises OSError."""
+    path = tmp_path / "config-only"
+    path.mkdir()
+    shutil.copy(os.path.join(toy_models["qwen2"], "config.json"), path / "config.json")
+    return str(path)

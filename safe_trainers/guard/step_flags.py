@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .backends import unwrap_optimizer
 from .collectives import max_across_ranks, ranks_with_flag
 from .policy import StepRecord
 from .sharding import replicated
@@ -128,12 +129,11 @@ class StepFlags:
         fault = self.fault_now
         if fault is None:
             return
-        inner = getattr(optimizer, "optimizer", optimizer)
-        skip_if_faulted(inner, scaler, fault)
+        skip_if_faulted(unwrap_optimizer(optimizer), scaler, fault)
 
     def after_update(self, optimizer: Any) -> None:
         """After `optimizer.step()`: remove the `found_inf` handed to a fused optimizer."""
-        clear_found_inf(getattr(optimizer, "optimizer", optimizer))
+        clear_found_inf(unwrap_optimizer(optimizer))
 
     def read(self) -> list[StepRecord]:
         """The pending steps as [`StepRecord`]s, in one device-to-host transfer (and, only when a step is bad, one

@@ -64,7 +64,7 @@ def run_built_rules(
     set's size as passed, before TRL's preprocessing; `rules`: the rule set (default: every built-in rule)."""
     if settings.safety_mode == "off":
         return
-    enabled, _ = select_rules(trainer._safety_kind, settings, rules)
+    enabled, _ = select_rules(trainer.safety_kind, settings, rules)
     owners = {rule.id: rule for rule in enabled}
     facts = snapshot_facts(trainer)  # once: it measures the machine and agrees across ranks
 
@@ -82,7 +82,7 @@ def built_view(trainer: Any, source_rows: int | None = None, facts: dict[str, An
     """The read-only [`BuiltTrainer`] the built-stage rules inspect; `facts`: [`snapshot_facts`] if already taken."""
     peft_config = getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default")
     return BuiltTrainer(
-        kind=trainer._safety_kind,
+        kind=trainer.safety_kind,
         args=trainer.args,
         model=trainer.model,
         train_dataset=trainer.train_dataset,
@@ -124,7 +124,7 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
     if strategy == "zero0":
         return {}
     shape = RunShape(
-        name=trainer._safety_kind,
+        name=trainer.safety_kind,
         params=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in trainable),
         strategy=strategy,

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 from transformers import TrainerCallback
 
+from ..guard.backends import unwrap_optimizer
 from ..guard.sharding import is_sharded, local
 
 
@@ -185,7 +186,7 @@ def with_loss_faults(trainer_cls: type) -> type:
 def _weight_target(param: torch.nn.Parameter, optimizer: Any) -> torch.Tensor:
     """Where the weight really lives: under DeepSpeed ZeRO, this rank's fp32 master partition (the 16-bit copy is
     rewritten from it at every step); under FSDP2, this rank's shard of the parameter; otherwise the parameter."""
-    zero = getattr(optimizer, "optimizer", None)
+    zero = unwrap_optimizer(optimizer)
     for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
         flats = [t for t in getattr(zero, name, []) if t.numel() > 0]
         if flats:

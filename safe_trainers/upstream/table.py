@@ -29,15 +29,15 @@ TRANSFORMERS: tuple[T, ...] = (
        "tests/guard/test_guard.py::test_nan_loss_is_skipped"), check="pre_optimizer_step"),
     T(TRAINER, "compute_loss", "method", "overrides, calls", "<=4.0", "guard/trainer_hooks.py, guard/localize.py",
       "keeps a host copy of each micro-batch and replays it to name the first non-finite module",
-      ("tests/guard/test_guard_timeline.py::test_diagnosis_finds_the_faulty_micro_batch",)),
+      ("tests/guard/test_faulty_micro_batch.py::test_diagnosis_finds_the_faulty_micro_batch",)),
     T(TRAINER, "_tr_loss", "attribute", "reads, writes", "5.3.0", TRAINER_HOOKS,
       "the Trainer's running loss, zeroed after a window with a non-finite loss",
       (f"{HOOKS}::test_a_missing_attribute_or_hook_is_named_by_the_pure_check",
-       "tests/guard/test_guard_timeline.py::test_logs_report_applied_steps_and_never_rewind"),
+       "tests/guard/test_logged_loss.py::test_logs_report_applied_steps_and_never_rewind"),
       check="pre_optimizer_step"),
     T(TRAINER, "_total_loss_scalar", "attribute", "reads, writes", "<=4.0", TRAINER_HOOKS,
       "the Trainer's total loss behind `train_loss`, kept finite",
-      ("tests/guard/test_guard_timeline.py::test_logs_report_applied_steps_and_never_rewind",),
+      ("tests/guard/test_logged_loss.py::test_logs_report_applied_steps_and_never_rewind",),
       check="pre_optimizer_step"),
     T(TRAINER, "_globalstep_last_logged", "attribute", "reads", "<=4.0", TRAINER_HOOKS,
       "whether the Trainer is about to log its loss window, when the guard closes its own",
@@ -57,19 +57,19 @@ TRANSFORMERS: tuple[T, ...] = (
       "guard/trainer_hooks.py, guard/recovery.py",
       "where the Trainer writes a checkpoint: the staging directory while the guard saves",
       (f"{HOOKS}::test_a_checkpoint_saved_outside_the_staging_path_stops_the_run",
-       "tests/guard/test_guard_timeline.py::test_on_save_and_hub_uploads_see_published_checkpoints"),
+       "tests/guard/test_checkpoints_published.py::test_on_save_and_hub_uploads_see_published_checkpoints"),
       check="save", when="saved"),
     T(TRAINER, "_push_from_checkpoint", "method", "overrides, calls", "4.11-4.20", TRAINER_HOOKS,
       "Hub uploads: only of published checkpoints (run-time check: none, it runs only with `push_to_hub`)",
-      ("tests/guard/test_guard_timeline.py::test_on_save_and_hub_uploads_see_published_checkpoints",)),
+      ("tests/guard/test_checkpoints_published.py::test_on_save_and_hub_uploads_see_published_checkpoints",)),
     T(TRAINER, "_save", "method", "overrides", "<=4.0", TRAINER_HOOKS,
       "`save_model` refuses non-finite weights (run-time check: none, not every backend saves through it)",
-      ("tests/guard/test_guard_timeline.py::test_save_model_refuses_nonfinite_weights",)),
+      ("tests/guard/test_final_weights_finite.py::test_save_model_refuses_nonfinite_weights",)),
     T(TRAINER, "_load_optimizer_and_scheduler", "method", "overrides, calls", "<=4.0",
       "guard/trainer_hooks.py, guard/disk_snapshot.py",
       "resume: the backed-off learning rate comes back with the optimizer; rollback from disk reloads it",
       (f"{HOOKS}::test_a_resume_that_bypasses_the_guard_stops_before_its_first_update",
-       "tests/guard/test_guard_timeline.py::test_abort_checkpoint_holds_the_backed_off_lr_and_resumes"),
+       "tests/guard/test_abort_checkpoint.py::test_abort_checkpoint_holds_the_backed_off_lr_and_resumes"),
       check="pre_optimizer_step", when="resumed"),
     T(TRAINER, "_load_from_checkpoint", "method", "calls", "4.11-4.20", "guard/disk_snapshot.py",
       "rollback from disk (`nan_rollback_from=\"checkpoint\"`) reloads the weights",
@@ -103,10 +103,11 @@ TRANSFORMERS: tuple[T, ...] = (
 )
 
 GENERATION = "guard/generation.py"
+ROLLOUTS = "tests/guard/test_grpo_rollouts_after_rollback.py"
 GRPO_TESTS = {
     "_generate_and_score_completions": (
         f"{HOOKS}::test_without_a_generation_hook_grpo_and_rloo_stop_before_their_first_update",
-        "tests/guard/test_guard_timeline.py::test_grpo_never_samples_from_a_damaged_policy",
+        f"{ROLLOUTS}::test_grpo_never_samples_from_a_damaged_policy",
     ),
     "_calculate_rewards": (
         f"{HOOKS}::test_without_a_generation_hook_grpo_and_rloo_stop_before_their_first_update",
@@ -114,10 +115,10 @@ GRPO_TESTS = {
         "tests/guard/test_guard_rloo.py::test_rloo_nonfinite_rewards",
     ),
     "_buffered_inputs": (
-        "tests/guard/test_guard_timeline.py::test_grpo_rollback_discards_rollouts_of_the_discarded_policy",
+        f"{ROLLOUTS}::test_grpo_rollback_discards_rollouts_of_the_discarded_policy",
         "tests/guard/test_guard_rloo.py::test_rloo_discard_rollouts_regenerates_from_the_current_policy",
     ),
-    "_last_loaded_step": ("tests/guard/test_guard_timeline.py::test_discard_rollouts_forces_a_vllm_weight_sync",),
+    "_last_loaded_step": (f"{ROLLOUTS}::test_discard_rollouts_forces_a_vllm_weight_sync",),
 }
 
 
@@ -185,7 +186,7 @@ OTHERS: tuple[T, ...] = (
       ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",
       "trains and saves a LoRA reward model's head (`peft.reward_seq_cls_lora`)",
-      ("tests/trainers/test_trainers.py::test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head",)),
+      ("tests/rules/test_peft_rules.py::test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head",)),
     *(
         T(f"deepspeed.runtime.zero.{module}", name, kind, uses, "<=0.18.0", where, f"ZeRO-{stages}: {purpose}",
           (ZERO_TEST,))

@@ -15,6 +15,12 @@ from safe_trainers.rules.attention import is_flash
 from safe_trainers.rules.context import TrainerSetup
 from safe_trainers.rules.hardware import Hardware
 from safe_trainers.testing.toy import build_model, model_config
+from transformers import AutoModelForCausalLM
+from trainer_utils import (  # tests/ is on sys.path, as for conftest
+    actions, check_gemma2_sdpa_without_the_rule, train_losses,
+)
+from safe_trainers.testing.build import build_trainer
+import math
 
 ATTENTION = get_rule("attention.gemma2_no_flash")
 
@@ -102,3 +108,61 @@ def test_gemma2_flash_kept_with_a_flash_attn_that_soft_caps():
     assert rule.check(make_setup("dpo", "gemma2", args=args, hardware=new)) is None
     finding = rule.check(make_setup("dpo", "gemma2", args=args, hardware=old))
     assert finding.action == "fixed" and "2.5.9" in finding.message
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# On a real safe trainer, built (and where the claim needs it, trained) from a tiny model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_gemma2_path_with_sdpa_trains_with_eager(toy_models, tmp_path):
+    trainer = build_trainer("dpo", toy_models["gemma2"], tmp_path, model_init_kwargs={"attn_implementation": "sdpa"})
+    assert trainer.model.config._attn_implementation == "eager"
+    assert trainer.args.model_init_kwargs == {"attn_implementation": "eager"}
+    (finding,) = trainer.safety_report.by_rule("attention.gemma2_no_flash")
+    assert finding.action == "fixed"
+    assert [(c.path, c.old, c.new) for c in finding.changes] == [
+        ("args.model_init_kwargs.attn_implementation", "sdpa", "eager")
+    ]
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+def test_gemma2_path_with_sdpa_without_the_rule(toy_models, tmp_path):
+    check_gemma2_sdpa_without_the_rule("dpo", toy_models["gemma2"], tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+@pytest.mark.parametrize("current", ["sdpa", "flash_attention_2"])
+def test_gemma2_instance_attention_replaced(kind, current, toy_models, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(toy_models["gemma2"])
+    model.config._attn_implementation = current  # flash-attn is not installed: set what a loaded model would carry
+    trainer = build_trainer(kind, model, tmp_path, rows=4)
+    assert trainer.model.config._attn_implementation == "eager"
+    (finding,) = trainer.safety_report.by_rule("attention.gemma2_no_flash")
+    assert [(c.path, c.old, c.new) for c in finding.changes] == [("model.attn_implementation", current, "eager")]
+    if kind == "dpo" and current == "flash_attention_2":
+        assert "backward pass" in finding.message
+        assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+def test_gemma2_ref_model_attention_replaced(toy_models, tmp_path):
+    ref = AutoModelForCausalLM.from_pretrained(toy_models["gemma2"])
+    ref.config._attn_implementation = "flash_attention_2"
+    trainer = build_trainer("dpo", toy_models["gemma2"], tmp_path, rows=4, trainer_kwargs={"ref_model": ref})
+    assert ref.config._attn_implementation == "eager"
+    (finding,) = trainer.safety_report.by_rule("attention.gemma2_no_flash")
+    assert [c.path for c in finding.changes] == ["ref_model.attn_implementation"]
+
+
+@pytest.mark.parametrize("as_instance", [False, True], ids=["path", "instance"])
+def test_qwen2_sdpa_not_touched(as_instance, toy_models, tmp_path):
+    if as_instance:
+        model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"], attn_implementation="sdpa")
+        trainer = build_trainer("dpo", model, tmp_path, rows=4)
+    else:
+        trainer = build_trainer(
+            "dpo", toy_models["qwen2"], tmp_path, rows=4, model_init_kwargs={"attn_implementation": "sdpa"}
+        )
+        assert trainer.args.model_init_kwargs == {"attn_implementation": "sdpa"}
+    assert trainer.model.config._attn_implementation == "sdpa"
+    assert "attention.gemma2_no_flash" not in actions(trainer)

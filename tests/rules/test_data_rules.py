@@ -13,6 +13,10 @@ from safe_trainers.rules.engine import new_report, run_stage
 from safe_trainers.rules.report import Change
 
 from rule_utils import make_args, settings  # tests/ is on sys.path, as for conftest
+from trainer_utils import actions, read_report, train_losses  # tests/ is on sys.path, as for conftest
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.toy import dataset_for
+import math
 
 
 KTO = get_rule("kto.batch_and_labels")
@@ -107,3 +111,77 @@ def test_no_loss_tokens_blocked_raises_through_engine():
     s = settings()
     with pytest.raises(SafetyError, match=r"\[data.no_loss_tokens\] all 1 training examples"):
         run_stage(built, [rule], s.safety_mode, new_report("kto", s), check=lambda r, b: r.check_built(b), apply=lambda b, f: b)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# On a real safe trainer, built (and where the claim needs it, trained) from a tiny model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _pretokenized_reward_rows(n=8, empty_chosen=(), empty_rejected=()):
+    rows = [{"chosen_ids": [5, 6, 7, 1], "rejected_ids": [5, 8, 9, 1]} for _ in range(n)]
+    for i in empty_chosen:
+        rows[i]["chosen_ids"] = []
+    for i in empty_rejected:
+        rows[i]["rejected_ids"] = []
+    return Dataset.from_list(rows)
+
+
+def test_reward_rows_without_tokens_dropped_and_counted(toy_models, tmp_path):
+    data = _pretokenized_reward_rows(8, empty_chosen=(1, 4), empty_rejected=(6,))
+    trainer = build_trainer("reward", toy_models["qwen2-rm"], tmp_path, dataset=data)
+    assert len(trainer.train_dataset) == 5
+    assert all(len(row["chosen_ids"]) and len(row["rejected_ids"]) for row in trainer.train_dataset)
+    (finding,) = trainer.safety_report.by_rule("data.no_loss_tokens")
+    assert finding.action == "fixed" and "3 of 8 training examples" in finding.message
+    assert [(c.path, c.old, c.new) for c in finding.changes] == [("train_dataset.num_rows", 8, 5)]
+    saved = [f for f in read_report(trainer)["findings"] if f["rule_id"] == "data.no_loss_tokens"]
+    assert saved[0]["changes"] == [{"path": "train_dataset.num_rows", "old": 8, "new": 5}]
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+def test_reward_all_rows_without_tokens_refused(toy_models, tmp_path):
+    data = _pretokenized_reward_rows(4, empty_chosen=(0, 1, 2, 3))
+    with pytest.raises(SafetyError, match=r"\[data.no_loss_tokens\] all 4 training examples have no completion token"):
+        build_trainer("reward", toy_models["qwen2-rm"], tmp_path, dataset=data)
+
+
+def _dpo_with_long_prompts(n=8, long=(0, 1, 2)):
+    rows = dataset_for("dpo", n).to_list()
+    for i in long:
+        rows[i]["prompt"] = " ".join(["one two three four five six seven eight nine ten"] * 4)
+    return Dataset.from_list(rows)
+
+
+def test_dpo_prompts_filling_max_length_rows_dropped_and_training_runs(toy_models, tmp_path):
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, dataset=_dpo_with_long_prompts(), max_length=16)
+    assert len(trainer.train_dataset) == 5
+    assert all(len(row["prompt_ids"]) < 16 for row in trainer.train_dataset)
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+def test_dpo_prompts_filling_max_length_counted_in_report(toy_models, tmp_path):
+    trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, dataset=_dpo_with_long_prompts(), max_length=16)
+    assert len(trainer.train_dataset) == 5  # three rows were dropped ...
+    findings = trainer.safety_report.by_rule("data.no_loss_tokens")
+    assert findings, "... but the report does not say so"
+    assert "3 of 8 training examples" in findings[0].message
+
+
+def test_dpo_all_prompts_filling_max_length_refused(toy_models, tmp_path):
+    data = _dpo_with_long_prompts(4, long=(0, 1, 2, 3))
+    with pytest.raises(SafetyError, match=r"\[data.no_loss_tokens\] all 4 training examples"):
+        build_trainer("dpo", toy_models["qwen2"], tmp_path, dataset=data, max_length=16)
+
+
+def test_dpo_keep_end_keeps_long_prompts(toy_models, tmp_path):
+    trainer = build_trainer(
+        "dpo",
+        toy_models["qwen2"],
+        tmp_path,
+        dataset=_dpo_with_long_prompts(),
+        max_length=16,
+        truncation_mode="keep_end",
+    )
+    assert len(trainer.train_dataset) == 8
+    assert "data.no_loss_tokens" not in actions(trainer)

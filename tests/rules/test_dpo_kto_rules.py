@@ -13,6 +13,10 @@ from safe_trainers.rules import get_rule
 from safe_trainers.rules.dpo import beta_problem
 
 from rule_utils import kto_data, make_args, make_setup, run_setup_stage  # tests/ is on sys.path, as for conftest
+from trainer_utils import actions, train_losses  # tests/ is on sys.path, as for conftest
+from safe_trainers.testing.build import build_trainer, preset_args
+from safe_trainers.testing.toy import dataset_for
+import trl
 
 
 BETA = get_rule("dpo.beta_positive")
@@ -102,3 +106,72 @@ def test_blocked_finding_raises_in_every_mode(mode):
 def test_beta_unused_by_an_sft_only_dpo_loss_is_not_judged():
     assert beta_problem(float("inf"), ["sft"]) is None and beta_problem(0.0, ["sft"]) is None
     assert beta_problem(float("inf"), ["sigmoid", "sft"])[0] == "blocked"  # the sigmoid term does use it
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# On a real safe trainer, built (and where the claim needs it, trained) from a tiny model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_kto_batch_of_one_refused(toy_models, tmp_path):
+    with pytest.raises(SafetyError, match=r"\[kto.batch_and_labels\] `per_device_train_batch_size=1`"):
+        build_trainer("kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1)
+
+
+@pytest.mark.parametrize("label", [True, False])
+def test_kto_single_label_dataset_trains(label, toy_models, tmp_path):
+    # only desirable (or only undesirable) examples: TRL skips the empty side and averages with `nanmean`
+    data = dataset_for("kto", 8).map(lambda row: {"label": label})
+    trainer = build_trainer("kto", toy_models["qwen2"], tmp_path, dataset=data, learning_rate=1e-6)
+    assert "kto.batch_and_labels" not in actions(trainer)
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+def test_kto_apo_zero_unpaired_batch_of_one_trains(toy_models, tmp_path):
+    # no KL term, so nothing needs two examples per micro-batch
+    trainer = build_trainer(
+        "kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1, loss_type="apo_zero_unpaired"
+    )
+    assert "kto.batch_and_labels" not in actions(trainer)
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+def test_kto_batch_and_beta_reported_together(toy_models, tmp_path):
+    with pytest.raises(SafetyError, match=r"\(2 problems\)") as exc:
+        build_trainer("kto", toy_models["qwen2"], tmp_path, per_device_train_batch_size=1, beta=math.inf)
+    assert [f.rule_id for f in exc.value.findings] == ["kto.batch_and_labels", "dpo.beta_positive"]
+    assert "`per_device_train_batch_size=1`" in str(exc.value) and "`beta=inf`" in str(exc.value)
+
+
+def test_dpo_beta_zero_with_ipo_refused(toy_models, tmp_path):
+    with pytest.raises(SafetyError, match=r"\[dpo.beta_positive\] `beta=0.0` with `loss_type='ipo'`"):
+        build_trainer("dpo", toy_models["qwen2"], tmp_path, beta=0.0, loss_type="ipo")
+
+
+def test_dpo_beta_zero_with_ipo_crashes_in_trl(toy_models, tmp_path):
+    # the control for the refusal above: TRL itself fails with a division by zero on the first step
+    trainer = trl.DPOTrainer(
+        model=toy_models["qwen2"],
+        args=trl.DPOConfig(**preset_args("dpo", tmp_path / "out", beta=0.0, loss_type="ipo")),
+        train_dataset=dataset_for("dpo", 4),
+    )
+    with pytest.raises(ZeroDivisionError):
+        trainer.train()
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_beta_zero_warned_and_trains(kind, toy_models, tmp_path):
+    trainer = build_trainer(kind, toy_models["qwen2"], tmp_path, beta=0.0)
+    assert actions(trainer)["dpo.beta_positive"] == "warned"
+    assert trainer.args.beta == 0.0
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_beta_zero_accepted_by_trl(kind, toy_models, tmp_path):
+    # the control: TRL itself builds a trainer with beta=0 (no gradient from the preference loss)
+    trl_config = {"dpo": trl.DPOConfig, "kto": trl.KTOConfig}[kind]
+    trl_trainer = {"dpo": trl.DPOTrainer, "kto": trl.KTOTrainer}[kind]
+    args = trl_config(**preset_args(kind, tmp_path / "out", beta=0.0))
+    trainer = trl_trainer(model=toy_models["qwen2"], args=args, train_dataset=dataset_for(kind, 4))
+    assert trainer.args.beta == 0.0

@@ -15,6 +15,12 @@ from safe_trainers.rules.grpo import group_size_problems, padded_vocab_ids, trun
 from safe_trainers.testing.toy import build_tokenizer, model_config
 
 from rule_utils import OUT, make_args, make_setup, run_setup_stage  # tests/ is on sys.path, as for conftest
+from safe_trainers import GRPOTrainer
+from trainer_utils import actions  # tests/ is on sys.path, as for conftest
+from safe_trainers.testing.toy import dataset_for, rank_reward
+import os
+from safe_trainers.testing.build import preset_args
+import trl
 
 
 GROUP = get_rule("grpo.group_size")
@@ -220,3 +226,56 @@ def test_generation_under_accelerates_deepspeed_plugin(stage, gather, warned):
     args.deepspeed_plugin = DeepSpeedPlugin(zero_stage=stage)
     finding = DS3.check(make_setup("grpo", "qwen2", args=args))
     assert (finding is not None and finding.action == "warned") == warned
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# On a real safe trainer, built (and where the claim needs it, trained) from a tiny model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_config_only_model_cannot_be_loaded(config_only_model, tmp_path):
+    # the control for the two tests below: TRL itself fails on this directory when loading weights
+    args = trl.GRPOConfig(**preset_args("grpo", tmp_path / "out", per_device_train_batch_size=4))
+    with pytest.raises(OSError):
+        trl.GRPOTrainer(
+            model=config_only_model, reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4)
+        )
+
+
+def test_grpo_group_not_dividing_batch_refused_before_loading(config_only_model, tmp_path):
+    args = GRPOConfig(**preset_args("grpo", tmp_path / "out", per_device_train_batch_size=4, num_generations=2))
+    args.num_generations = 3  # mutated after the config validated itself
+    with pytest.raises(
+        SafetyError, match=r"\[grpo.group_size\] `generation_batch_size=4`.*`num_generations=3`"
+    ) as exc:
+        GRPOTrainer(model=config_only_model, reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4))
+    assert [f.rule_id for f in exc.value.findings] == ["grpo.group_size"]
+    assert not os.path.exists(args.output_dir)  # nothing was written for a refused configuration
+
+
+def test_grpo_zero_temperature_refused_before_loading(config_only_model, tmp_path):
+    args = GRPOConfig(**preset_args("grpo", tmp_path / "out", per_device_train_batch_size=4))
+    args.temperature = 0.0
+    with pytest.raises(SafetyError, match=r"\[grpo.group_size\] `temperature=0.0`"):
+        GRPOTrainer(model=config_only_model, reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4))
+
+
+def test_grpo_config_refuses_bad_groups_up_front(tmp_path):
+    with pytest.raises(SafetyError, match="`num_generations=1`"):
+        GRPOConfig(**preset_args("grpo", tmp_path / "out", num_generations=1))
+    with pytest.raises(SafetyError, match="`temperature=0`"):
+        GRPOConfig(**preset_args("grpo", tmp_path / "out", temperature=0))
+
+
+def test_grpo_group_rule_disabled_is_left_to_trl(toy_models, tmp_path):
+    args = GRPOConfig(
+        **preset_args(
+            "grpo", tmp_path / "out", per_device_train_batch_size=4, safety_disable_rules=["grpo.group_size"]
+        )
+    )
+    args.temperature = 0.0
+    trainer = GRPOTrainer(
+        model=toy_models["qwen2"], reward_funcs=rank_reward, args=args, train_dataset=dataset_for("grpo", 4)
+    )
+    assert trainer.args.temperature == 0.0
+    assert actions(trainer)["grpo.group_size"] == "skipped"

@@ -15,6 +15,10 @@ from safe_trainers.rules.report import Change
 from safe_trainers.testing.toy import build_model
 
 from rule_utils import make_args, make_setup, run_setup_stage  # tests/ is on sys.path, as for conftest
+from trainer_utils import DEFAULT_MODEL, actions, train_losses  # tests/ is on sys.path, as for conftest
+from safe_trainers.kinds import TRAINER_KINDS
+from safe_trainers.testing.build import build_trainer
+import torch
 
 
 GRAD_CLIP = get_rule("optim.grad_clip")
@@ -97,3 +101,47 @@ def test_learning_rate_silent_for_a_peft_model_instance():
     model = get_peft_model(build_model("qwen2"), LoraConfig(target_modules=["q_proj"], r=2))
     setup = make_setup("dpo", "qwen2", model=model, args=make_args("dpo", learning_rate=1e-4))
     assert LEARNING_RATE.check(setup) is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# On a real safe trainer, built (and where the claim needs it, trained) from a tiny model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", TRAINER_KINDS)
+def test_grad_clip_and_nonfinite_logging_fixed(kind, toy_models, tmp_path):
+    trainer = build_trainer(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, rows=4, max_grad_norm=0.0)
+    assert trainer.args.max_grad_norm == 1.0
+    assert trainer.args.logging_nan_inf_filter is False
+    assert actions(trainer)["optim.grad_clip"] == "fixed"
+    assert actions(trainer)["logging.show_nonfinite"] == "fixed"
+
+
+@pytest.mark.parametrize("kind", ["reward", "grpo"])
+def test_grad_clip_and_nonfinite_logging_quiet_when_set(kind, toy_models, tmp_path):
+    trainer = build_trainer(
+        kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, rows=4, max_grad_norm=0.5, logging_nan_inf_filter=False
+    )
+    assert trainer.args.max_grad_norm == 0.5
+    assert trainer.safety_report.findings == []
+    assert trainer.safety_report.render().endswith("all safety rules passed, nothing changed.")
+
+
+def test_grad_clip_fix_takes_effect_in_training(toy_models, tmp_path):
+    trainer = build_trainer("reward", toy_models["qwen2-rm"], tmp_path, max_grad_norm=0.0, learning_rate=1e-6)
+    trainer.create_optimizer()
+    inner = trainer.optimizer
+    original_step = inner.step
+    seen = []
+
+    def step(*args, **kwargs):  # the real step, recording the norm of the gradients the optimizer receives
+        grads = [p.grad.norm() for group in inner.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack(grads))))
+        return original_step(*args, **kwargs)
+
+    inner.step = step
+    train_losses(trainer)
+    logged = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert len(seen) == 2
+    assert max(logged) > 1.0, logged  # the gradients needed clipping (the logged norm is taken before clipping)
+    assert all(norm <= 1.0 + 1e-4 for norm in seen), seen

@@ -12,7 +12,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from safe_trainers import KTOConfig
+from safe_trainers import KTOConfig, DPOConfig, DPOTrainer
 from safe_trainers.rules import BuiltTrainer, get_rule
 from safe_trainers.rules.hardware import Hardware
 from safe_trainers.rules.precision import (
@@ -24,6 +24,12 @@ from safe_trainers.testing.toy import build_model, model_config
 from rule_utils import (  # tests/ is on sys.path, as for conftest
     CPU, CUDA_BF16, CUDA_NO_BF16, change_map, make_args, make_setup, run_setup_stage,
 )  # fmt: skip
+from transformers import AutoModelForCausalLM
+from trainer_utils import DEFAULT_MODEL, actions, train_losses  # tests/ is on sys.path, as for conftest
+from safe_trainers.kinds import TRAINER_KINDS
+from safe_trainers.testing.build import build_trainer, preset_args
+from safe_trainers.testing.toy import dataset_for
+import math
 
 
 BF16_SUPPORTED = get_rule("precision.bf16_supported")
@@ -330,3 +336,58 @@ def test_bf16_supported_silent_where_bf16_has_hardware(hardware):
 
 def test_bf16_supported_silent_without_a_bf16_request():
     assert BF16_SUPPORTED.check(make_setup("dpo", "llama", hardware=V100, args=make_args("dpo", bf16=False))) is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# On a real safe trainer, built (and where the claim needs it, trained) from a tiny model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_dpo_fp16_on_gemma2_becomes_bf16(toy_models, tmp_path):
+    args = DPOConfig(**preset_args("dpo", tmp_path / "out", fp16=True))
+    trainer = DPOTrainer(model=toy_models["gemma2"], args=args, train_dataset=dataset_for("dpo", 8))
+    assert trainer.args.bf16 is True and trainer.args.fp16 is False
+    assert args.fp16 is True and args.bf16 is False  # the user's config object is untouched
+    (finding,) = trainer.safety_report.by_rule("precision.bf16_over_fp16")
+    assert finding.action == "fixed" and "`gemma2` activations overflow" in finding.message
+    assert {(c.path, c.old, c.new) for c in finding.changes} >= {
+        ("args.fp16", True, False),
+        ("args.bf16", False, True),
+    }
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the `use_cpu` fix is for machines without an accelerator")
+def test_fp16_on_cpu_without_use_cpu_sets_use_cpu(toy_models, tmp_path):
+    trainer = build_trainer("kto", toy_models["qwen2"], tmp_path, fp16=True, use_cpu=False)
+    assert (trainer.args.fp16, trainer.args.bf16, trainer.args.use_cpu) == (False, True, True)
+    changes = {c.path: c.new for c in trainer.safety_report.changes}
+    assert changes["args.use_cpu"] is True
+
+
+def test_fp16_load_dtype_becomes_bf16_and_torch_dtype_is_renamed(toy_models, tmp_path):
+    trainer = build_trainer("kto", toy_models["qwen2"], tmp_path, model_init_kwargs={"torch_dtype": "float16"})
+    assert trainer.args.model_init_kwargs == {"dtype": "bfloat16"}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert actions(trainer)["precision.bf16_over_fp16"] == "fixed"
+
+
+@pytest.mark.parametrize("kind", TRAINER_KINDS)
+def test_precision_rule_quiet_without_fp16(kind, toy_models, tmp_path):
+    trainer = build_trainer(kind, toy_models[DEFAULT_MODEL[kind]], tmp_path, rows=4)
+    assert "precision.bf16_over_fp16" not in actions(trainer)
+    assert "precision.fp32_trainable_params" not in actions(trainer)
+    assert trainer.args.fp16 is False
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+
+
+def test_full_finetune_fp16_instance_is_upcast(toy_models, tmp_path):
+    # with `precision.bf16_over_fp16` off the fp16 weights stay, and this rule upcasts the trainable ones
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"], dtype=torch.float16)
+    trainer = build_trainer("dpo", model, tmp_path, safety_disable_rules=["precision.bf16_over_fp16"])
+    (finding,) = trainer.safety_report.by_rule("precision.fp32_trainable_params")
+    assert finding.action == "fixed"
+    assert len(finding.data["names"]) == len(list(trainer.model.parameters()))
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert all(math.isfinite(loss) for loss in train_losses(trainer))

@@ -9,6 +9,8 @@ import torch
 
 from safe_trainers import SafetyReport
 from safe_trainers.rules.report import Change, Finding, REMOVED
+from safe_trainers.rules import DEFAULT_RULES
+from safe_trainers.testing.build import build_trainer
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -106,3 +108,29 @@ def test_finding_to_dict_jsonable_values():
     finding = Finding("x", "fixed", "m", (Change("a", {"k": (1, 2)}, [torch.float16, None]),))
     assert finding.to_dict()["changes"] == [{"path": "a", "old": {"k": [1, 2]}, "new": ["torch.float16", None]}]
     json.dumps(finding.to_dict())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# On a real safe trainer, built (and where the claim needs it, trained) from a tiny model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_clean_construction_prints_one_line(toy_models, tmp_path, caplog):
+    # It printed nothing (the report was logged at INFO), while the README says the main process prints the report.
+    settings = dict(rows=4, max_grad_norm=0.5, logging_nan_inf_filter=False)
+    with caplog.at_level("WARNING", logger="safe_trainers"):
+        trainer = build_trainer("reward", toy_models["qwen2-rm"], tmp_path / "a", **settings)
+    path = os.path.join(trainer.args.output_dir, "safety_report.json")
+    assert trainer.safety_report.findings == [] and os.path.isfile(path)
+    lines = [r.getMessage() for r in caplog.records if r.name == "safe_trainers"]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    count = lines[0].split(": ", 1)[1].split(" ")[0]
+    assert lines[0] == f"safe_trainers (reward): {count} safety rules run, none fired; NaN guard on; report in {path}."
+    assert int(count) == sum("reward" in r.trainers for r in DEFAULT_RULES)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="safe_trainers"):
+        trainer = build_trainer("reward", toy_models["qwen2-rm"], tmp_path / "b", nan_guard=False,
+                                safety_disable_rules=["optim.grad_clip"], **settings)  # fmt: skip
+    [line] = [r.getMessage() for r in caplog.records if r.name == "safe_trainers"]
+    assert f"{int(count) - 1} safety rules run, none fired (1 disabled: `optim.grad_clip`)" in line
+    assert "; NaN guard off (`nan_guard=False`); " in line
