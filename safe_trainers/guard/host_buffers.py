@@ -7,6 +7,10 @@ copied. Here each dtype gets one plain host buffer of exactly the bytes its tens
 and reused while the layout holds, and page-locked in place (`cudaHostRegister`) when the tensors come from a CUDA
 device, so that non-blocking device-to-host copies can land in it. Each tensor is a view of its dtype's buffer, so
 every view is aligned for its dtype. On a CPU-only run nothing is pinned; the layout is the same.
+
+Two ways to get a destination, one way to copy into it: [`HostBuffers`] for a fixed list of shapes (the snapshot, through
+[`copy_to_host`]), [`HostArena`] for shapes that change from one use to the next (micro-batches); both copy through
+[`queue_host_copy`].
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from .nested import map_tensors, tensors
 from .sharding import local
 
 logger = logging.getLogger("safe_trainers")
+
+
+def queue_host_copy(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Copy `source` into the host tensor `destination` and return `destination`. From a CUDA device the copy is
+    queued on the current stream without blocking the host: `destination` must be pinned, and is read only after an
+    event recorded behind the copy (or a host synchronisation)."""
+    return destination.copy_(source, non_blocking=source.is_cuda)
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,7 @@ class HostArena:
             extra = HostBuffers()
             self.overflow.append(extra)
             view = extra.views([(tuple(tensor.shape), dtype)], pin=self.pin)[0]
-        return view.copy_(tensor, non_blocking=self.pin)
+        return queue_host_copy(view, tensor)
 
     def reset(self) -> None:
         """Drop every copy (their views must no longer be read); grow the buffers if some copy did not fit."""
@@ -215,10 +226,8 @@ def copy_to_host(value: Any, buffers: HostBuffers) -> Any:
     deep-copied. A `DTensor` is copied as this rank's shard."""
     leaves = [local(t).detach() for t in tensors(value)]
     views = buffers.views([(tuple(t.shape), t.dtype) for t in leaves], pin=any(t.is_cuda for t in leaves))
-    for view, tensor in zip(views, leaves):
-        view.copy_(tensor, non_blocking=tensor.is_cuda)
-    held = iter(views)
+    held = iter([queue_host_copy(view, tensor) for view, tensor in zip(views, leaves)])
     return map_tensors(value, lambda _: next(held), copy.deepcopy)
 
 
-__all__ = ["HostArena", "HostBuffers", "Slot", "copy_to_host", "plan"]
+__all__ = ["HostArena", "HostBuffers", "Slot", "copy_to_host", "plan", "queue_host_copy"]

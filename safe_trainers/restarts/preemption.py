@@ -35,6 +35,7 @@ from transformers import TrainerCallback
 
 from ..guard.collectives import distributed, ranks_with_flag
 from ..guard.events import NanEvent
+from ..guard.host_buffers import queue_host_copy
 
 logger = logging.getLogger("safe_trainers")
 
@@ -106,8 +107,7 @@ class AgreedBits:
     def agreed(self, step: int, bit: torch.Tensor) -> None:
         """Keep step `step`'s agreed bit: on CUDA, copied to pinned host memory behind an event; elsewhere as is."""
         if self.device.type == "cuda":
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            host.copy_(bit, non_blocking=True)
+            host = queue_host_copy(torch.empty((), dtype=torch.bool, pin_memory=True), bit)
             event = torch.cuda.Event()
             event.record()
             self._pending.append((step, host, event))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from safe_trainers.guard.host_buffers import HostArena, HostBuffers, copy_to_host, plan
+from safe_trainers.guard.host_buffers import HostArena, HostBuffers, copy_to_host, plan, queue_host_copy
 from safe_trainers.guard.snapshot import _restored
 
 
@@ -124,6 +124,19 @@ def test_the_arena_grows_to_the_largest_window_then_holds_one_exact_buffer_per_d
     arena.copy(torch.arange(12))  # a larger window: one more exact buffer, then the arena grows to it
     arena.reset()
     assert arena.capacity[torch.int64] == 12 and arena.nbytes() == 12 * 8 + 3 * 4
+
+
+def test_both_destinations_copy_through_the_one_copy_and_hold_a_copy_not_the_source():
+    source = torch.arange(6.0).view(2, 3)
+    destination = torch.empty(2, 3)
+    assert queue_host_copy(destination, source) is destination
+    arena, buffers = HostArena(), HostBuffers()
+    copies = [arena.copy(source), copy_to_host(source, buffers), destination]
+    source.add_(100)  # the source moves on; every copy keeps the values it had
+    for held in copies:
+        assert torch.equal(held, torch.arange(6.0).view(2, 3))
+        assert held.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+    assert buffers.buffers[torch.float32].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr()
 
 
 def test_an_empty_tensor_of_a_dtype_the_arena_has_not_seen_is_copied():
