@@ -117,6 +117,7 @@ def parse_args(
     parser = make_parser(kind, config_class, prog)
     argv = normalize_argv(sys.argv[1:] if argv is None else argv)  # `--learning_rate -1e-5`, `--config=x`
     preflight.check_argv(argv)
+    preflight.check_config_keys(argv, parser.dataclass_types)
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
     except InputError:

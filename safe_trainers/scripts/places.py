@@ -86,6 +86,14 @@ def read_config_file(path: str) -> ConfigFile:
     return ConfigFile(path, "mapping" if isinstance(data, dict) or data is None else "not_mapping")
 
 
+def config_settings(path: str) -> dict[str, Any]:
+    """The top-level settings of a `--config` file that [`read_config_file`] found to be a mapping."""
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
 def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> Place:
     """What this machine holds under `name`; the Hub is asked only for a Hub id that is not here and not cached, and
     only when `online`."""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import hub, places
+from .config_keys import field_names, unknown_key_problems
 from .inputs import DataShape, Facts, InputError, InputProblem, config_path, judge, raise_problems
 from .rewards import reward_name_problem
 
@@ -27,6 +28,24 @@ def check_argv(argv: Sequence[str]) -> None:
     if path is None:
         return
     raise_problems(judge("argv", {"config": path}, Facts(config=places.read_config_file(path))))
+
+
+def check_config_keys(argv: Sequence[str], dataclass_types: Sequence[type]) -> None:
+    """The `--config` file's keys that none of `dataclass_types` reads (renamed or removed upstream, another script's,
+    misspelled), one line each with its fix, before TRL's parser refuses them in one list. Run after [`check_argv`].
+
+    Raises:
+        InputError: naming each such key.
+    """
+    import transformers
+    import trl
+
+    path = config_path(argv)
+    if path is None:
+        return
+    versions = f"TRL {trl.__version__}, transformers {transformers.__version__}"
+    settings = places.config_settings(path)
+    raise_problems(unknown_key_problems(settings, field_names(dataclass_types), versions))
 
 
 def hub_names(script_args: Any, model_args: Any) -> list[str]:
@@ -131,5 +150,5 @@ def say_once(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-__all__ = ["check_argv", "check_data", "check_settings", "hub_names", "load_error", "program_name",
+__all__ = ["check_argv", "check_config_keys", "check_data", "check_settings", "hub_names", "load_error", "program_name",
            "settings_problems"]  # fmt: skip
