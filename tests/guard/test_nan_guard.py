@@ -49,11 +49,12 @@ class Driver:
         loss.backward()
         return loss.detach()
 
-    def close(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+    def clip(self) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.trainer.model.parameters(), 1.0)
+
+    def close(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """The guard's hot path for a step whose loss is `loss`: returns the device skip flag."""
         self.guard.observe_loss(loss)  # `training_step`
-        if grad_norm is None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainer.model.parameters(), 1.0)
         skip = self.guard.end_of_step(grad_norm)  # `_get_grad_norm`
         self.guard.apply_skip(self.trainer.optimizer)  # `on_pre_optimizer_step`
         return skip
@@ -66,8 +67,9 @@ class Driver:
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.state.global_step += 1
 
-    def step(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
-        skip = self.close(self.forward(), grad_norm)
+    def step(self) -> torch.Tensor:
+        loss = self.forward()
+        skip = self.close(loss, self.clip())
         self.update()
         return skip
 
@@ -96,20 +98,23 @@ def poison_a_weight(trainer) -> None:
         first_trainable_matrix(trainer.model).view(-1)[0] = float("nan")
 
 
-class HostReads(TorchFunctionMode):
-    """Counts the calls that bring a tensor's value to the host (`.item()`, `bool(t)`, `.tolist()`, `.cpu()`...)."""
+# The calls that bring a tensor's value to the host.
+HOST_READS = frozenset({
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+    torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu,
+})  # fmt: skip
 
-    READS = {
-        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-        torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu,
-    }  # fmt: skip
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls of [`HOST_READS`] made inside it (`.item()`, `bool(t)`, `.tolist()`, `.cpu()`...), on any
+    tensor."""
 
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
+        if func in HOST_READS:
             self.reads.append(func.__name__)
         return func(*args, **(kwargs or {}))
 
@@ -170,8 +175,9 @@ def test_a_nonfinite_loss_sets_the_skip_flag_on_the_device_without_a_host_read(t
     assert route_for(driver.trainer.optimizer, None) == "found_inf"  # fused AdamW: skipped on the device
     loss = driver.forward()
     assert math.isnan(loss.item())  # the injected fault
+    grad_norm = driver.clip()
     with HostReads() as reads:
-        skip = driver.close(loss)
+        skip = driver.close(loss, grad_norm)
     assert reads.reads == []  # observe_loss, end_of_step and apply_skip read nothing back
     assert torch.is_tensor(skip) and bool(skip)
     assert len(guard.flags.pending) == 1 and guard.events.events == [] and guard.state.skipped_steps == 0
