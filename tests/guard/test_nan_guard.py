@@ -38,12 +38,13 @@ class Driver:
         self.guard.start_run(None)  # `train()`
         self.guard.begin()  # `on_train_begin`
 
-    def forward(self) -> torch.Tensor:
+    def forward(self, record: bool = True) -> torch.Tensor:
         trainer = self.trainer
         self.injector.on_step_begin(trainer.args, trainer.state, trainer.control, optimizer=trainer.optimizer)
         trainer.model.train()
         inputs = trainer._prepare_inputs(next(self.batches))
-        self.guard.record_inputs(inputs)  # `compute_loss`
+        if record:
+            self.guard.record_inputs(inputs)  # `compute_loss`
         # The trainer's own loss, past the guard's door (which would record the inputs a second time).
         loss = super(NanGuardTrainerMixin, trainer).compute_loss(trainer.model, inputs)
         loss.backward()
@@ -67,8 +68,8 @@ class Driver:
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.state.global_step += 1
 
-    def step(self) -> torch.Tensor:
-        loss = self.forward()
+    def step(self, record: bool = True) -> torch.Tensor:
+        loss = self.forward(record)
         skip = self.close(loss, self.clip())
         self.update()
         return skip
@@ -218,6 +219,23 @@ def test_inspect_records_the_skip_with_the_module_that_went_nonfinite(toy_models
     assert event.detail["first_nonfinite_module"]["module"] == f"model.layers.{layers - 1}"
     assert guard.state.skipped_steps == 1 and guard.state.counters()["nan_guard/skipped_steps"] == 1
     assert [e["kind"] for e in read_events(str(tmp_path / "out"))] == ["skip"]  # written to `nan_events.jsonl`
+
+
+def test_record_inputs_keeps_the_steps_batches_for_the_diagnosis_until_the_inspection(toy_models, tmp_path):
+    driver = build(toy_models, tmp_path, faults=[Fault(step=1, kind="loss"), Fault(step=2, kind="loss")])
+    driver.begin()
+    guard = driver.guard
+    driver.step()
+    (batch,) = guard.batches.get(1)  # one micro-batch, its inputs as the model got them
+    assert batch["input_ids"].shape[0] == driver.trainer.args.per_device_train_batch_size
+    guard.inspect(driver.trainer.control)
+    assert guard.batches.get(1) == []  # dropped at the inspection
+    assert "first_nonfinite_module" in guard.events.events[0].detail
+    guard.state.localized = False  # the diagnosis runs once per run: allow another
+    driver.step(record=False)
+    guard.inspect(driver.trainer.control)
+    skip = guard.events.events[1]
+    assert (skip.step, skip.kind) == (2, "skip") and "first_nonfinite_module" not in skip.detail  # nothing to replay
 
 
 def test_at_boundary_inspects_only_where_the_trainer_logs_saves_or_a_snapshot_is_due(toy_models, tmp_path):
