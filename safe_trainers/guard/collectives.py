@@ -22,7 +22,9 @@ def ranks_with_flag(local: torch.Tensor) -> list[list[int]]:
 
 def max_across_ranks(values: torch.Tensor) -> torch.Tensor:
     """The element-wise maximum of the float tensor `values` over ranks, on the device (one all-reduce; no host
-    synchronisation; `values` itself in a single process). Flags ride on it as 0/1 (a maximum is their OR)."""
+    synchronisation; `values` itself in a single process). Flags ride on it as 0/1 (a maximum is their OR). A NaN
+    does not propagate through MAX on every backend (gloo keeps a finite value from another rank when the NaN is on
+    rank 0: `tests/guard/test_collectives.py`): fold non-finite values into flags before calling."""
     if not distributed():
         return values
     values = values.clone()

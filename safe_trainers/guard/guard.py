@@ -234,8 +234,8 @@ class NanGuard:
             tensors = list(self.trainer.model.parameters()) + (optimizer_tensors(opt) if opt is not None else [])
         finite = all_finite(tensors).to(self.trainer.args.device)
         self.damaged_ranks = [rank for ranks in ranks_with_flag((~finite).reshape(1)) for rank in ranks]
-        if not self.damaged_ranks:
-            self.verified_step = self.trainer.state.global_step
+        # A check that finds damage takes back an earlier verification of this step.
+        self.verified_step = -1 if self.damaged_ranks else self.trainer.state.global_step
         return not self.damaged_ranks
 
     def state_verified(self) -> bool:
