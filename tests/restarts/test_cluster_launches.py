@@ -154,7 +154,7 @@ def test_a_restart_after_train_returned_never_trains_past_max_steps(tmp_path):
     run = str(tmp_path / "out" / "run")
     assert checkpoint_steps(run) == [4, 8]
     record = read_progress(run)
-    assert (record.phase, record.step, record.result["metrics"]) == ("finished", 8, first[0]["metrics"])
+    assert (record.phase, record.step, record.history.result["metrics"]) == ("finished", 8, first[0]["metrics"])
     assert [(e["checkpoint"], e["finished"]) for e in resumes(run)] == [(os.path.join(run, "checkpoint-8"), 8)]
     assert result["global_step"] == 8 and result["finite"]
 
