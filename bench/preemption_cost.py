@@ -110,6 +110,8 @@ def step_time(marks: list[dict], last: int) -> float:
 
 
 def measure_preemption(ns, root: str, model_dir: str) -> None:
+    from workload import time_table
+
     extra = ["--signal-step", str(ns.signal_step), "--signal-rank", str(ns.nproc - 1), "--hang-step", "0"]
     marks = run(ns, os.path.join(root, "preempt"), model_dir, *extra)
     with open(os.path.join(root, "preempt", f"marks-rank{ns.nproc - 1}.jsonl")) as f:
@@ -127,10 +129,12 @@ def measure_preemption(ns, root: str, model_dir: str) -> None:
     step = step_time(marks, ns.signal_step)
     print(f"\nPreemption: SIGTERM to rank {ns.nproc - 1} of {ns.nproc} as step {ns.signal_step} begins; a step takes "
           f"{step * 1e3:.1f} ms; steps lost (trained twice): {lost}\n")  # fmt: skip
-    print_table(rows)
+    print(time_table(rows))
 
 
 def measure_hang(ns, root: str, model_dir: str) -> None:
+    from workload import time_table
+
     marks = run(ns, os.path.join(root, "hang"), model_dir, "--hang-step", str(ns.hang_step), "--signal-step", "0")
     hung = at(marks, 0, "hang")
     stacks = os.path.getmtime(os.path.join(root, "hang", "run", "hang-stacks-rank0.txt"))
@@ -145,14 +149,14 @@ def measure_hang(ns, root: str, model_dir: str) -> None:
     print(f"\nHang: every rank of {ns.nproc} sleeps forever in step {ns.hang_step}; "
           f"`hang_timeout={ns.hang_timeout:g}` "
           f"(the bound until it is learned); a step takes {step * 1e3:.1f} ms\n")  # fmt: skip
-    print_table(rows)
+    print(time_table(rows))
 
 
 def measure_overhead(ns, root: str, model_dir: str) -> None:
     import statistics
 
     import trl
-    from workload import StepTimer, dataset, quiet, release
+    from workload import StepTimer, dataset, markdown_table, quiet, release
 
     from safe_trainers.testing.build import build_trainer
 
@@ -182,20 +186,11 @@ def measure_overhead(ns, root: str, model_dir: str) -> None:
     clock = "CPU time" if ns.cpu_time else "wall time"
     print(f"\nPer-step cost, 1 process, {ns.rounds} interleaved rounds of {ns.overhead_steps} steps (median step, "
           f"{clock})\n")
-    width = max(len(name) for name in configs)
-    print(f"| {'run':<{width}} | step (ms) | ratio to stock TRL |")
-    print(f"|{'-' * (width + 2)}|-----------|--------------------|")
+    rows = []
     for name, values in medians.items():
         ratio = statistics.median(v / s for v, s in zip(values, stock))
-        print(f"| {name:<{width}} | {statistics.median(values) * 1e3:>9.1f} | {ratio:>18.3f} |")
-
-
-def print_table(rows) -> None:
-    width = max(len(name) for name, _ in rows)
-    print(f"| {'measure':<{width}} | {'time':>10} |")
-    print(f"|{'-' * (width + 2)}|{'-' * 12}|")
-    for name, value in rows:
-        print(f"| {name:<{width}} | {value:>8.2f} s |")
+        rows.append((name, f"{statistics.median(values) * 1e3:.1f}", f"{ratio:.3f}"))
+    print(markdown_table(["run", "step (ms)", "ratio to stock TRL"], rows))
 
 
 def main(argv=None) -> int:

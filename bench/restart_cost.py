@@ -87,6 +87,8 @@ def measure_restart(ns, root: str, model_dir: str) -> None:
         return next(m["t"] for m in marks if m["attempt"] == attempt and m["event"] == event
                     and (step is None or m["step"] == step))  # fmt: skip
 
+    from workload import time_table
+
     from safe_trainers.restarts.checkpoint_choice import choose_checkpoint
 
     start = time.perf_counter()
@@ -106,10 +108,12 @@ def measure_restart(ns, root: str, model_dir: str) -> None:
     ]
     print(f"\nRestart after a SIGKILL at step {ns.kill_step}, checkpoints every {ns.save_steps} steps "
           f"(resumes from checkpoint-{checkpoint}); a step takes {step * 1e3:.1f} ms\n")
-    print_table(rows)
+    print(time_table(rows))
 
 
 def measure_bookkeeping(ns, directory: str) -> None:
+    from workload import time_table
+
     from safe_trainers.restarts.step_record import Death, History, ProgressWriter
 
     agent = "5d874e25-f50b-4ac4-b837-9d13bdd45170@node-0:/tmp/torchelastic_lbzy4e5p/5d874e25-f50b-4ac4-b837_nq1o0xd0"
@@ -124,7 +128,7 @@ def measure_bookkeeping(ns, directory: str) -> None:
     writer.close()
     write, p99 = statistics.median(times), sorted(times)[int(0.99 * len(times))]
     print(f"\nStep record: {ns.writes} writes on {directory} (median; p99 {p99 * 1e6:.1f} us)\n")
-    print_table([("one write", write), ("per optimizer step (2 writes)", 2 * write)], unit="us")
+    print(time_table([("one write", write), ("per optimizer step (2 writes)", 2 * write)], unit="us"))
 
 
 def measure_scan(ns, root: str) -> None:
@@ -132,6 +136,7 @@ def measure_scan(ns, root: str) -> None:
     checkpoint of `--scan-mb` MB of weights and twice that of optimizer state, as AdamW keeps."""
     import torch
     from safetensors.torch import save_file
+    from workload import time_table
 
     from safe_trainers.restarts.completeness import incomplete_checkpoint
     from safe_trainers.restarts.checkpoint_choice import checkpoint_problem
@@ -157,19 +162,10 @@ def measure_scan(ns, root: str) -> None:
         headers.append(time.perf_counter() - start)
     scan = statistics.median(times)
     print(f"\nChecking a checkpoint: {n * 16} MB of weights + {n * 32} MB of optimizer state (page cache warm)\n")
-    print_table([("choosing it (completeness + finiteness)", scan)])
+    print(time_table([("choosing it (completeness + finiteness)", scan)]))
     print()
-    print_table([("of which completeness (JSON, headers, sizes)", statistics.median(headers))], unit="us")
+    print(time_table([("of which completeness (JSON, headers, sizes)", statistics.median(headers))], unit="us"))
     print(f"\n= {n * 48 / scan:.0f} MB/s")
-
-
-def print_table(rows, unit: str = "s") -> None:
-    scale = {"s": 1.0, "us": 1e6}[unit]
-    width = max(len(name) for name, _ in rows)
-    print(f"| {'measure':<{width}} | {'time':>10} |")
-    print(f"|{'-' * (width + 2)}|{'-' * 12}|")
-    for name, value in rows:
-        print(f"| {name:<{width}} | {value * scale:>7.{2 if unit == 's' else 1}f} {unit:<2} |")
 
 
 def main(argv=None) -> int:
