@@ -20,14 +20,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+
+from marks import at, launch_elastic, marker, read_marks, restart_count
 
 STARTED = time.time()  # before any heavy import: the process start as the worker sees it
 
@@ -43,14 +43,8 @@ def worker(ns) -> int:
     from guard_overhead import dataset
     from safe_trainers.testing.quick import quick_args
 
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    rank = int(os.environ.get("RANK", "0"))
-    marks = open(os.path.join(ns.root, f"marks-rank{rank}.jsonl"), "a")
-
-    def mark(event: str, step: int | None = None, t: float | None = None) -> None:
-        line = {"attempt": attempt, "event": event, "step": step, "t": t or time.time()}
-        marks.write(json.dumps(line) + "\n")
-        marks.flush()
+    attempt, rank = restart_count(), int(os.environ.get("RANK", "0"))
+    mark = marker(os.path.join(ns.root, f"marks-rank{rank}.jsonl"))
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -86,22 +80,12 @@ def worker(ns) -> int:
 
 def run(ns, root: str, model_dir: str, *extra: str) -> list[dict]:
     os.makedirs(root)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ns.nproc),
-        "--max-restarts", "1", os.path.abspath(__file__), "--worker", "--root", root, "--model", model_dir,
-        "--save-steps", str(ns.save_steps), "--batch", str(ns.batch), "--seq", str(ns.seq), "--ranks", str(ns.nproc),
-        "--hang-timeout", str(ns.hang_timeout), *extra,
+    args = [
+        "--root", root, "--model", model_dir, "--save-steps", str(ns.save_steps), "--batch", str(ns.batch),
+        "--seq", str(ns.seq), "--ranks", str(ns.nproc), "--hang-timeout", str(ns.hang_timeout), *extra,
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(done.stderr[-3000:])
-    return [json.loads(line) for line in open(os.path.join(root, "marks-rank0.jsonl"))]
-
-
-def at(marks: list[dict], attempt: int, event: str, step: int | None = None) -> float:
-    return next(m["t"] for m in marks if m["attempt"] == attempt and m["event"] == event
-                and (step is None or m["step"] == step))  # fmt: skip
+    launch_elastic(__file__, ns.nproc, args, {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    return read_marks(os.path.join(root, "marks-rank0.jsonl"))
 
 
 def step_time(marks: list[dict], last: int) -> float:
@@ -114,8 +98,7 @@ def measure_preemption(ns, root: str, model_dir: str) -> None:
 
     extra = ["--signal-step", str(ns.signal_step), "--signal-rank", str(ns.nproc - 1), "--hang-step", "0"]
     marks = run(ns, os.path.join(root, "preempt"), model_dir, *extra)
-    with open(os.path.join(root, "preempt", f"marks-rank{ns.nproc - 1}.jsonl")) as f:
-        sent = at([json.loads(line) for line in f], 0, "signal")
+    sent = at(read_marks(os.path.join(root, "preempt", f"marks-rank{ns.nproc - 1}.jsonl")), 0, "signal")
     saved = max(m["step"] for m in marks if m["attempt"] == 0 and m["event"] == "saved")
     first = min(m["step"] for m in marks if m["attempt"] == 1 and m["event"] == "step_begin")
     trained = [m["step"] for m in marks if m["attempt"] == 0 and m["event"] == "step_end"]

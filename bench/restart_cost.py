@@ -17,15 +17,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
+
+from marks import at, launch_elastic, marker, read_marks, restart_count
 
 STARTED = time.time()  # before any heavy import: the process start as the worker sees it
 
@@ -39,13 +40,8 @@ def worker(ns) -> int:
     from guard_overhead import dataset
     from safe_trainers.testing.quick import quick_args
 
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    marks = open(os.path.join(ns.root, "marks.jsonl"), "a")
-
-    def mark(event: str, step: int | None = None, t: float | None = None) -> None:
-        line = {"attempt": attempt, "event": event, "step": step, "t": t or time.time()}
-        marks.write(json.dumps(line) + "\n")
-        marks.flush()
+    attempt = restart_count()
+    mark = marker(os.path.join(ns.root, "marks.jsonl"))
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -73,19 +69,12 @@ def worker(ns) -> int:
 
 
 def measure_restart(ns, root: str, model_dir: str) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "--max-restarts", "1",
-        os.path.abspath(__file__), "--worker", "--root", root, "--model", model_dir, "--kill-step", str(ns.kill_step),
-        "--save-steps", str(ns.save_steps), "--batch", str(ns.batch), "--seq", str(ns.seq),
+    args = [
+        "--root", root, "--model", model_dir, "--kill-step", str(ns.kill_step), "--save-steps", str(ns.save_steps),
+        "--batch", str(ns.batch), "--seq", str(ns.seq),
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
-    if done.returncode != 0:
-        raise SystemExit(done.stderr[-3000:])
-    marks = [json.loads(line) for line in open(os.path.join(root, "marks.jsonl"))]
-
-    def at(attempt: int, event: str, step: int | None = None) -> float:
-        return next(m["t"] for m in marks if m["attempt"] == attempt and m["event"] == event
-                    and (step is None or m["step"] == step))  # fmt: skip
+    launch_elastic(__file__, 1, args)
+    when = partial(at, read_marks(os.path.join(root, "marks.jsonl")))  # when(attempt, event, step=None)
 
     from workload import time_table
 
@@ -96,15 +85,15 @@ def measure_restart(ns, root: str, model_dir: str) -> None:
     scan = time.perf_counter() - start
     checkpoint = (ns.kill_step - 1) // ns.save_steps * ns.save_steps
     lost = ns.kill_step - 1 - checkpoint
-    steps = [at(0, "step_end", s) - at(0, "step_begin", s) for s in range(2, ns.kill_step)]
-    first, step = checkpoint + 1, statistics.median(steps)
+    steps = [when(0, "step_end", s) - when(0, "step_begin", s) for s in range(2, ns.kill_step)]
+    first, step, killed = checkpoint + 1, statistics.median(steps), when(0, "kill")
     rows = [
-        ("kill -> new process started by the agent", at(1, "process_start") - at(0, "kill")),
-        ("imports + trainer construction (rules, model, data)", at(1, "built") - at(1, "process_start")),
-        ("train() -> first step: checkpoint choice, load, data skip", at(1, "step_begin", first) - at(1, "built")),
+        ("kill -> new process started by the agent", when(1, "process_start") - killed),
+        ("imports + trainer construction (rules, model, data)", when(1, "built") - when(1, "process_start")),
+        ("train() -> first step: checkpoint choice, load, data skip", when(1, "step_begin", first) - when(1, "built")),
         ("  of which choosing the checkpoint (finiteness scan)", scan),
         (f"steps lost: {lost}, done again (steps {first}-{ns.kill_step - 1})", lost * step),
-        ("total: kill -> the step that was killed begins again", at(1, "step_begin", ns.kill_step) - at(0, "kill")),
+        ("total: kill -> the step that was killed begins again", when(1, "step_begin", ns.kill_step) - killed),
     ]
     print(f"\nRestart after a SIGKILL at step {ns.kill_step}, checkpoints every {ns.save_steps} steps "
           f"(resumes from checkpoint-{checkpoint}); a step takes {step * 1e3:.1f} ms\n")
