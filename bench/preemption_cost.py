@@ -20,14 +20,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+
+from marks import at, launch_elastic, marker, read_marks, restart_count
 
 STARTED = time.time()  # before any heavy import: the process start as the worker sees it
 
@@ -43,14 +43,8 @@ def worker(ns) -> int:
     from guard_overhead import dataset
     from safe_trainers.testing.quick import quick_args
 
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    rank = int(os.environ.get("RANK", "0"))
-    marks = open(os.path.join(ns.root, f"marks-rank{rank}.jsonl"), "a")
-
-    def mark(event: str, step: int | None = None, t: float | None = None) -> None:
-        line = {"attempt": attempt, "event": event, "step": step, "t": t or time.time()}
-        marks.write(json.dumps(line) + "\n")
-        marks.flush()
+    attempt, rank = restart_count(), int(os.environ.get("RANK", "0"))
+    mark = marker(os.path.join(ns.root, f"marks-rank{rank}.jsonl"))
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -86,22 +80,12 @@ def worker(ns) -> int:
 
 def run(ns, root: str, model_dir: str, *extra: str) -> list[dict]:
     os.makedirs(root)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ns.nproc),
-        "--max-restarts", "1", os.path.abspath(__file__), "--worker", "--root", root, "--model", model_dir,
-        "--save-steps", str(ns.save_steps), "--batch", str(ns.batch), "--seq", str(ns.seq), "--ranks", str(ns.nproc),
-        "--hang-timeout", str(ns.hang_timeout), *extra,
+    args = [
+        "--root", root, "--model", model_dir, "--save-steps", str(ns.save_steps), "--batch", str(ns.batch),
+        "--seq", str(ns.seq), "--ranks", str(ns.nproc), "--hang-timeout", str(ns.hang_timeout), *extra,
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(done.stderr[-3000:])
-    return [json.loads(line) for line in open(os.path.join(root, "marks-rank0.jsonl"))]
-
-
-def at(marks: list[dict], attempt: int, event: str, step: int | None = None) -> float:
-    return next(m["t"] for m in marks if m["attempt"] == attempt and m["event"] == event
-                and (step is None or m["step"] == step))  # fmt: skip
+    launch_elastic(__file__, ns.nproc, args, {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    return read_marks(os.path.join(root, "marks-rank0.jsonl"))
 
 
 def step_time(marks: list[dict], last: int) -> float:
@@ -110,10 +94,11 @@ def step_time(marks: list[dict], last: int) -> float:
 
 
 def measure_preemption(ns, root: str, model_dir: str) -> None:
+    from workload import time_table
+
     extra = ["--signal-step", str(ns.signal_step), "--signal-rank", str(ns.nproc - 1), "--hang-step", "0"]
     marks = run(ns, os.path.join(root, "preempt"), model_dir, *extra)
-    with open(os.path.join(root, "preempt", f"marks-rank{ns.nproc - 1}.jsonl")) as f:
-        sent = at([json.loads(line) for line in f], 0, "signal")
+    sent = at(read_marks(os.path.join(root, "preempt", f"marks-rank{ns.nproc - 1}.jsonl")), 0, "signal")
     saved = max(m["step"] for m in marks if m["attempt"] == 0 and m["event"] == "saved")
     first = min(m["step"] for m in marks if m["attempt"] == 1 and m["event"] == "step_begin")
     trained = [m["step"] for m in marks if m["attempt"] == 0 and m["event"] == "step_end"]
@@ -127,10 +112,12 @@ def measure_preemption(ns, root: str, model_dir: str) -> None:
     step = step_time(marks, ns.signal_step)
     print(f"\nPreemption: SIGTERM to rank {ns.nproc - 1} of {ns.nproc} as step {ns.signal_step} begins; a step takes "
           f"{step * 1e3:.1f} ms; steps lost (trained twice): {lost}\n")  # fmt: skip
-    print_table(rows)
+    print(time_table(rows))
 
 
 def measure_hang(ns, root: str, model_dir: str) -> None:
+    from workload import time_table
+
     marks = run(ns, os.path.join(root, "hang"), model_dir, "--hang-step", str(ns.hang_step), "--signal-step", "0")
     hung = at(marks, 0, "hang")
     stacks = os.path.getmtime(os.path.join(root, "hang", "run", "hang-stacks-rank0.txt"))
@@ -145,14 +132,14 @@ def measure_hang(ns, root: str, model_dir: str) -> None:
     print(f"\nHang: every rank of {ns.nproc} sleeps forever in step {ns.hang_step}; "
           f"`hang_timeout={ns.hang_timeout:g}` "
           f"(the bound until it is learned); a step takes {step * 1e3:.1f} ms\n")  # fmt: skip
-    print_table(rows)
+    print(time_table(rows))
 
 
 def measure_overhead(ns, root: str, model_dir: str) -> None:
     import statistics
 
     import trl
-    from workload import StepTimer, dataset, quiet, release
+    from workload import StepTimer, dataset, markdown_table, quiet, release
 
     from safe_trainers.testing.build import build_trainer
 
@@ -182,20 +169,11 @@ def measure_overhead(ns, root: str, model_dir: str) -> None:
     clock = "CPU time" if ns.cpu_time else "wall time"
     print(f"\nPer-step cost, 1 process, {ns.rounds} interleaved rounds of {ns.overhead_steps} steps (median step, "
           f"{clock})\n")
-    width = max(len(name) for name in configs)
-    print(f"| {'run':<{width}} | step (ms) | ratio to stock TRL |")
-    print(f"|{'-' * (width + 2)}|-----------|--------------------|")
+    rows = []
     for name, values in medians.items():
         ratio = statistics.median(v / s for v, s in zip(values, stock))
-        print(f"| {name:<{width}} | {statistics.median(values) * 1e3:>9.1f} | {ratio:>18.3f} |")
-
-
-def print_table(rows) -> None:
-    width = max(len(name) for name, _ in rows)
-    print(f"| {'measure':<{width}} | {'time':>10} |")
-    print(f"|{'-' * (width + 2)}|{'-' * 12}|")
-    for name, value in rows:
-        print(f"| {name:<{width}} | {value:>8.2f} s |")
+        rows.append((name, f"{statistics.median(values) * 1e3:.1f}", f"{ratio:.3f}"))
+    print(markdown_table(["run", "step (ms)", "ratio to stock TRL"], rows))
 
 
 def main(argv=None) -> int:

@@ -17,15 +17,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
+
+from marks import at, launch_elastic, marker, read_marks, restart_count
 
 STARTED = time.time()  # before any heavy import: the process start as the worker sees it
 
@@ -39,13 +40,8 @@ def worker(ns) -> int:
     from guard_overhead import dataset
     from safe_trainers.testing.quick import quick_args
 
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    marks = open(os.path.join(ns.root, "marks.jsonl"), "a")
-
-    def mark(event: str, step: int | None = None, t: float | None = None) -> None:
-        line = {"attempt": attempt, "event": event, "step": step, "t": t or time.time()}
-        marks.write(json.dumps(line) + "\n")
-        marks.flush()
+    attempt = restart_count()
+    mark = marker(os.path.join(ns.root, "marks.jsonl"))
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -73,19 +69,14 @@ def worker(ns) -> int:
 
 
 def measure_restart(ns, root: str, model_dir: str) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "--max-restarts", "1",
-        os.path.abspath(__file__), "--worker", "--root", root, "--model", model_dir, "--kill-step", str(ns.kill_step),
-        "--save-steps", str(ns.save_steps), "--batch", str(ns.batch), "--seq", str(ns.seq),
+    args = [
+        "--root", root, "--model", model_dir, "--kill-step", str(ns.kill_step), "--save-steps", str(ns.save_steps),
+        "--batch", str(ns.batch), "--seq", str(ns.seq),
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
-    if done.returncode != 0:
-        raise SystemExit(done.stderr[-3000:])
-    marks = [json.loads(line) for line in open(os.path.join(root, "marks.jsonl"))]
+    launch_elastic(__file__, 1, args)
+    when = partial(at, read_marks(os.path.join(root, "marks.jsonl")))  # when(attempt, event, step=None)
 
-    def at(attempt: int, event: str, step: int | None = None) -> float:
-        return next(m["t"] for m in marks if m["attempt"] == attempt and m["event"] == event
-                    and (step is None or m["step"] == step))  # fmt: skip
+    from workload import time_table
 
     from safe_trainers.restarts.checkpoint_choice import choose_checkpoint
 
@@ -94,22 +85,24 @@ def measure_restart(ns, root: str, model_dir: str) -> None:
     scan = time.perf_counter() - start
     checkpoint = (ns.kill_step - 1) // ns.save_steps * ns.save_steps
     lost = ns.kill_step - 1 - checkpoint
-    steps = [at(0, "step_end", s) - at(0, "step_begin", s) for s in range(2, ns.kill_step)]
-    first, step = checkpoint + 1, statistics.median(steps)
+    steps = [when(0, "step_end", s) - when(0, "step_begin", s) for s in range(2, ns.kill_step)]
+    first, step, killed = checkpoint + 1, statistics.median(steps), when(0, "kill")
     rows = [
-        ("kill -> new process started by the agent", at(1, "process_start") - at(0, "kill")),
-        ("imports + trainer construction (rules, model, data)", at(1, "built") - at(1, "process_start")),
-        ("train() -> first step: checkpoint choice, load, data skip", at(1, "step_begin", first) - at(1, "built")),
+        ("kill -> new process started by the agent", when(1, "process_start") - killed),
+        ("imports + trainer construction (rules, model, data)", when(1, "built") - when(1, "process_start")),
+        ("train() -> first step: checkpoint choice, load, data skip", when(1, "step_begin", first) - when(1, "built")),
         ("  of which choosing the checkpoint (finiteness scan)", scan),
         (f"steps lost: {lost}, done again (steps {first}-{ns.kill_step - 1})", lost * step),
-        ("total: kill -> the step that was killed begins again", at(1, "step_begin", ns.kill_step) - at(0, "kill")),
+        ("total: kill -> the step that was killed begins again", when(1, "step_begin", ns.kill_step) - killed),
     ]
     print(f"\nRestart after a SIGKILL at step {ns.kill_step}, checkpoints every {ns.save_steps} steps "
           f"(resumes from checkpoint-{checkpoint}); a step takes {step * 1e3:.1f} ms\n")
-    print_table(rows)
+    print(time_table(rows))
 
 
 def measure_bookkeeping(ns, directory: str) -> None:
+    from workload import time_table
+
     from safe_trainers.restarts.step_record import Death, History, ProgressWriter
 
     agent = "5d874e25-f50b-4ac4-b837-9d13bdd45170@node-0:/tmp/torchelastic_lbzy4e5p/5d874e25-f50b-4ac4-b837_nq1o0xd0"
@@ -124,7 +117,7 @@ def measure_bookkeeping(ns, directory: str) -> None:
     writer.close()
     write, p99 = statistics.median(times), sorted(times)[int(0.99 * len(times))]
     print(f"\nStep record: {ns.writes} writes on {directory} (median; p99 {p99 * 1e6:.1f} us)\n")
-    print_table([("one write", write), ("per optimizer step (2 writes)", 2 * write)], unit="us")
+    print(time_table([("one write", write), ("per optimizer step (2 writes)", 2 * write)], unit="us"))
 
 
 def measure_scan(ns, root: str) -> None:
@@ -132,6 +125,7 @@ def measure_scan(ns, root: str) -> None:
     checkpoint of `--scan-mb` MB of weights and twice that of optimizer state, as AdamW keeps."""
     import torch
     from safetensors.torch import save_file
+    from workload import time_table
 
     from safe_trainers.restarts.completeness import incomplete_checkpoint
     from safe_trainers.restarts.checkpoint_choice import checkpoint_problem
@@ -157,19 +151,10 @@ def measure_scan(ns, root: str) -> None:
         headers.append(time.perf_counter() - start)
     scan = statistics.median(times)
     print(f"\nChecking a checkpoint: {n * 16} MB of weights + {n * 32} MB of optimizer state (page cache warm)\n")
-    print_table([("choosing it (completeness + finiteness)", scan)])
+    print(time_table([("choosing it (completeness + finiteness)", scan)]))
     print()
-    print_table([("of which completeness (JSON, headers, sizes)", statistics.median(headers))], unit="us")
+    print(time_table([("of which completeness (JSON, headers, sizes)", statistics.median(headers))], unit="us"))
     print(f"\n= {n * 48 / scan:.0f} MB/s")
-
-
-def print_table(rows, unit: str = "s") -> None:
-    scale = {"s": 1.0, "us": 1e6}[unit]
-    width = max(len(name) for name, _ in rows)
-    print(f"| {'measure':<{width}} | {'time':>10} |")
-    print(f"|{'-' * (width + 2)}|{'-' * 12}|")
-    for name, value in rows:
-        print(f"| {name:<{width}} | {value * scale:>7.{2 if unit == 's' else 1}f} {unit:<2} |")
 
 
 def main(argv=None) -> int:

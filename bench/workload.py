@@ -2,8 +2,8 @@
 safe trainers on them, and the probes the benches read (step timer, memory held by the guard, snapshot timing).
 
 Used by `guard_overhead.py` (overhead at one size), `gpu_overhead.py` (the same on a GPU, 0.5B parameters),
-`guard_scaling.py` (the cost over model sizes) and `guard_memory.py` (peak memory over model sizes). Not a benchmark
-itself.
+`guard_scaling.py` (the cost over model sizes) and `guard_memory.py` (peak memory over model sizes); its tables also
+by `preemption_cost.py`, `restart_cost.py`, `finite_check.py` and `spike_false_skips.py`. Not a benchmark itself.
 """
 
 from __future__ import annotations
@@ -200,3 +200,9 @@ def markdown_table(header: list[str], rows: list[tuple]) -> str:
 
     rule = "|" + "-" * (widths[0] + 2) + "|" + "".join("-" * (w + 1) + ":|" for w in widths[1:])
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def time_table(rows: list[tuple[str, float]], unit: str = "s") -> str:
+    """A markdown table of measured times: `rows` are `(measure, seconds)`, shown in seconds or microseconds."""
+    scale, digits = {"s": (1.0, 2), "us": (1e6, 1)}[unit]
+    return markdown_table(["measure", "time"], [(name, f"{value * scale:.{digits}f} {unit}") for name, value in rows])

@@ -1,4 +1,4 @@
-"""Parse an OpenRLHF launcher command into launcher, entry point and flag items; rewrite it; tell its flag generation.
+"""Parse an OpenRLHF launcher command into launcher, entry point and flag items; read it for the rules; rewrite it.
 
 Only the tokens after the entry point are read as OpenRLHF flags, the way its argparse parser reads them: a token
 starting with `-` (not a negative number, no space before any `=`) starts an option, `--flag=value` is one token, and
@@ -14,10 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..rules.report import REMOVED, Change
-from .flags import (
-    ATTN_IMPL, DOTTED, GENERATIONS, LEGACY, PARAM_DTYPE, Generation, flag_kind, flags_for, fits_dotted,
-    known_flags, resolve,
-)  # fmt: skip
+from .flags import Generation, flag_kind, flags_for, known_flags, resolve
 from .models import ModelInfo
 
 
@@ -132,48 +129,6 @@ def parse_command(argv: Sequence[str]) -> OpenRLHFCommand:
         "openrlhf.cli.train_<x> ...`, `python -m openrlhf.cli.train_ppo_ray ...`, or a script of OpenRLHF <= 0.3.5 "
         "(`deepspeed path/to/train_<x>.py ...`, `python path/to/batch_inference.py ...`)."
     )
-
-
-def detect_generations(command: OpenRLHFCommand) -> tuple[tuple[Generation, ...], str]:
-    """The flag generations the command's own flags fit, newest first, and the flags that told.
-
-    Raises:
-        `CommandError`: the command mixes flags that no single OpenRLHF release accepts.
-    """
-    names = command.option_names()
-    dotted = [n for n in names if "." in n]
-    if dotted:
-        return (DOTTED,), f"`{dotted[0]}`"
-    markers: list[tuple[str, set[Generation]]] = []
-    flat = next((n for n in names if not fits_dotted(n)), None)  # a flat flag that >= 0.10.2 no longer has
-    if flat is not None:
-        markers.append((flat, {LEGACY, ATTN_IMPL, PARAM_DTYPE}))
-    if command.examples_script:  # the `examples/` scripts were replaced by `openrlhf.cli` modules in 0.3.6
-        markers.append((command.launcher[-1], {LEGACY}))
-    checks = (
-        ("--param_dtype", (PARAM_DTYPE,), {PARAM_DTYPE}),
-        ("--flash_attn", (LEGACY,), {LEGACY}),
-        ("--vanilla_loss", (LEGACY,), {LEGACY}),
-        ("--attn_implementation", (ATTN_IMPL, PARAM_DTYPE), {ATTN_IMPL, PARAM_DTYPE}),
-        ("--bf16", (LEGACY, ATTN_IMPL), {LEGACY, ATTN_IMPL}),
-    )
-    for flag, tables, allowed in checks:
-        hit = next((n for n in names for g in tables if resolve(n, g, command.entry) == flag), None)
-        if hit is not None:
-            markers.append((hit, allowed))
-    candidates = set(GENERATIONS)
-    for name, allowed in markers:
-        if not candidates & allowed:
-            told = ", ".join(f"`{n}` ({' or '.join(sorted(str(g) for g in a))})" for n, a in markers)
-            raise CommandError(
-                f"`{name}` does not fit the other flags: no OpenRLHF release accepts all of {told}. Fix the command, "
-                "or pass `--openrlhf-version` to choose the release whose flag names the rules use."
-            )
-        candidates &= allowed
-    ordered = tuple(g for g in GENERATIONS if g in candidates)
-    telling = ", ".join(f"`{name}`" for name, _ in markers[1 if flat is not None else 0 :])
-    reason = telling or (f"undotted flags such as `{flat}`" if flat else "no version-specific flag")
-    return ordered, reason
 
 
 def _bad_value(flag: str, item: Item, why: str) -> CommandError:
@@ -295,7 +250,6 @@ __all__ = [
     "Item",
     "OpenRLHFCommand",
     "apply_changes",
-    "detect_generations",
     "is_option",
     "model_paths",
     "parse_command",

@@ -20,10 +20,9 @@ from ..rules.engine import run_stage, skipped_findings
 from ..errors import SafetyError
 from ..rules.report import SHIM_OPT_OUT, Finding, SafetyReport
 from ..rules.base import Rule
-from .command import (
-    CommandError, CommandView, OpenRLHFCommand, apply_changes, detect_generations, model_paths, parse_command,
-)  # fmt: skip
+from .command import CommandError, CommandView, OpenRLHFCommand, apply_changes, model_paths, parse_command
 from .flags import ENTRY_POINTS, Generation, generation_for_version
+from .generation_detection import detect_generations
 from .machine import installed_openrlhf_version, launch, local_bf16_support
 from .models import ModelInfo, inspect_model, read_config
 from .rules import RULES, rule_ids

@@ -103,10 +103,11 @@ def plan_resume(
     restart = restart_count(env)
     reason = resume_reason(requested, restart, resume_on_restart)
     record = previous(output_dir)
-    launchs = resume_on_restart and record is not None and same_launch(record.launch, record.restart, launch, restart)
-    if launchs and record.stage > stage:
-        raise ValueError(shared_output_dir_message(output_dir, stage, record.stage))
-    own = launchs and record.stage == stage
+    known = record.history if record is not None else None
+    launchs = resume_on_restart and known is not None and same_launch(known.launch, known.restart, launch, restart)
+    if launchs and known.stage > stage:
+        raise ValueError(shared_output_dir_message(output_dir, stage, known.stage))
+    own = launchs and known.stage == stage
     if reason == "explicit" and own:
         # Restarted with the command line that named a checkpoint: go on from this launch's newest, not back there.
         choice = choose(output_dir, this_launchs(record))
@@ -123,7 +124,7 @@ def plan_resume(
     continuing = reason != "new" or restart > 0
     history = replace(inherit(record, continuing, data, skip_after), launch=launch, restart=restart, stage=stage)
     if reason == "restart":  # the launch's record goes on
-        history = replace(history, origin=record.origin, checkpoints=record.checkpoints, result=record.result)
+        history = replace(history, origin=known.origin, checkpoints=known.checkpoints, result=known.result)
     else:  # the launch's first process for this call: its own record starts here
         history = replace(history, origin=choice.path, checkpoints=(), result=None)
     finished = reason == "restart" and record.finished
@@ -133,10 +134,11 @@ def plan_resume(
 def this_launchs(record: Progress) -> Callable[[str], str | None]:
     """A checkpoint `problem` for a restart: a checkpoint the launch neither published (the record lists their steps)
     nor began from is passed over, every other is checked as usual (`checkpoint_choice.checkpoint_problem`)."""
-    origin = os.path.normpath(record.origin) if record.origin else None
+    origin = os.path.normpath(record.history.origin) if record.history.origin else None
+    published = record.history.checkpoints
 
     def problem(path: str) -> str | None:
-        if os.path.normpath(path) != origin and checkpoint_step(path) not in record.checkpoints:
+        if os.path.normpath(path) != origin and checkpoint_step(path) not in published:
             return NOT_THIS_LAUNCHS
         return checkpoint_problem(path)
 

@@ -73,52 +73,41 @@ class History:
 
 @dataclass(frozen=True)
 class Progress:
-    """The step record as written on disk.
+    """The step record as written on disk: where the writing process was, and the run's [`History`] it carried.
+
+    On disk the history's fields sit beside `step`, `phase` and `data` in one flat JSON object (see
+    [`ProgressWriter`]); [`from_json`] reads that object back, and records of older versions too.
 
     Args:
-        attempt (`int`): the writing process's number in the run.
         step (`int`): the step running (`phase="step"`) or last finished (`"between"`, `"finished"`: training ended).
         phase (`str`): `"step"`, `"between"` or `"finished"`.
         data (`str`): what makes a step number name the same batches (see [`data_identity`]).
-        deaths, poisoned, launch, restart, stage, origin, checkpoints, result: the run's history (see [`History`]).
+        history ([`History`]): the run's history as the writing process held it (`history.attempt`: its number in
+            the run).
     """
 
-    attempt: int
     step: int
     phase: Phase
     data: str
-    deaths: tuple[Death, ...] = ()
-    poisoned: tuple[Poisoned, ...] = ()
-    launch: tuple[str, ...] = ()
-    restart: int = 0
-    stage: int = 1
-    origin: str | None = None
-    checkpoints: tuple[int, ...] = ()
-    result: dict | None = None
+    history: History = History()
 
     @classmethod
-    def from_json(cls, text: str) -> "Progress":
+    def from_json(cls, text: str) -> Progress:
         raw = json.loads(text)
-        raw = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}  # a record of an older version
-        deaths = tuple(Death(**d) for d in raw.pop("deaths", []))
-        poisoned = tuple(Poisoned(p["step"], tuple(p["attempts"])) for p in raw.pop("poisoned", []))
-        launch = raw.pop("launch", ())
+        kept = {k: v for k, v in raw.items() if k in History.__dataclass_fields__}  # a record of an older version
+        kept["attempt"] = raw["attempt"]  # as `step`, `phase` and `data`: every version wrote it
+        deaths = tuple(Death(**d) for d in kept.pop("deaths", []))
+        poisoned = tuple(Poisoned(p["step"], tuple(p["attempts"])) for p in kept.pop("poisoned", []))
+        launch = kept.pop("launch", ())
         launch = (launch,) if isinstance(launch, str) else tuple(launch)
-        checkpoints = tuple(int(s) for s in raw.pop("checkpoints", ()))
-        return cls(**raw, deaths=deaths, poisoned=poisoned, launch=launch, checkpoints=checkpoints)
+        checkpoints = tuple(int(s) for s in kept.pop("checkpoints", ()))
+        history = History(**kept, deaths=deaths, poisoned=poisoned, launch=launch, checkpoints=checkpoints)
+        return cls(raw["step"], raw["phase"], raw["data"], history)
 
     @property
     def finished(self) -> bool:
         """Whether the record's `train()` call finished (it may have died since, finishing again after a restart)."""
-        return self.phase == "finished" or self.result is not None
-
-    @property
-    def history(self) -> History:
-        """The launch's part of the record, as a process of the same launch and `train()` call continues it."""
-        return History(
-            self.attempt, self.deaths, self.poisoned, self.launch, self.restart, self.stage, self.origin,
-            self.checkpoints, self.result,
-        )  # fmt: skip
+        return self.phase == "finished" or self.history.result is not None
 
 
 def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: int) -> History:
@@ -132,15 +121,16 @@ def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: 
     """
     if previous is None or not continuing or previous.data != data:
         return History()
-    deaths = previous.deaths
+    history = previous.history
+    deaths = history.deaths
     if previous.phase != "finished":
         step = previous.step if previous.phase == "step" else None
-        deaths = (deaths + (Death(previous.attempt, step),))[-KEPT_DEATHS:]
-    poisoned = previous.poisoned
+        deaths = (deaths + (Death(history.attempt, step),))[-KEPT_DEATHS:]
+    poisoned = history.poisoned
     found = poison(deaths, skip_after)
     if found is not None and all(p.step != found.step for p in poisoned):
         poisoned += (found,)
-    return replace(previous.history, attempt=previous.attempt + 1, deaths=deaths, poisoned=poisoned)
+    return replace(history, attempt=history.attempt + 1, deaths=deaths, poisoned=poisoned)
 
 
 def poison(deaths: tuple[Death, ...], times: int) -> Poisoned | None:

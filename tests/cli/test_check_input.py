@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from net_utils import free_port
+
 from safe_trainers.cli.main import main
 
 
@@ -64,15 +66,9 @@ def test_a_missing_config_file_fails_with_the_scripts_message(tmp_path, capsys):
     assert "`config=" in (err := capsys.readouterr().err) and "names no file" in err
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_shipped_config_without_the_hub_answers_offline_in_one_line(tmp_path):
     # was: 40-105 s of "Retrying in 8s" before the report
-    env = {"HF_HUB_OFFLINE": None, "HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HOME": str(tmp_path)}
+    env = {"HF_HUB_OFFLINE": None, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp_path)}
     done, output = check(["--trainer", "dpo", "--config", "configs/trainers/dpo.yaml"], **env)
     assert done.returncode == 0, output
     assert output.count("cannot be reached from this machine") == 1 and "so working offline" in output

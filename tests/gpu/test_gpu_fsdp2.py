@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -22,18 +21,13 @@ from safe_trainers.testing.toy import save_toy_model
 
 from gpu_utils import nonfinite_files, tensor_files
 from guard_utils import checkpoint_steps
+from net_utils import free_port
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
 # The shipped config (full state dicts, gathered on rank 0).
 FSDP2 = ["--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp2.yaml")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.distributed

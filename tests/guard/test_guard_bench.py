@@ -19,6 +19,8 @@ OVERHEAD = ["--hidden", "32", "--layers", "1", "--rounds", "1", "--optims", "ada
 MEMORY = ["--steps", "1", "--seq", "16", "--sizes", "32x1", "--methods", "lora"]
 FINITE = ["--megabytes", "8", "--repeats", "1"]
 SPIKES = ["--steps", "4", "--inject-steps", "4", "--kinds", "dpo", "--spike", "6", "4", "2"]
+PREEMPTION = ["--hidden", "32", "--layers", "1", "--seq", "16", "--batch", "2", "--only", "overhead", "--rounds", "1",
+              "--overhead-steps", "3"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -29,6 +31,7 @@ SPIKES = ["--steps", "4", "--inject-steps", "4", "--kinds", "dpo", "--spike", "6
         ("guard_memory.py", MEMORY, "guard extra"),
         ("finite_check.py", FINITE, "catches a NaN"),
         ("spike_false_skips.py", SPIKES, "all skipped"),
+        ("preemption_cost.py", PREEMPTION, "ratio to stock TRL"),
     ],
 )
 def test_bench_runs_and_prints_its_table(script, args, expected):

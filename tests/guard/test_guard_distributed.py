@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints
+from net_utils import free_port
 
 from safe_trainers.guard import read_events
 from safe_trainers.testing.toy import save_toy_model
@@ -32,12 +32,6 @@ ZERO3 = {
     "gradient_accumulation_steps": "auto",
     "train_batch_size": "auto",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(launcher: list[str], kind: str, faults: list[str], tmp_path, *extra: str, task="causal_lm") -> list[dict]:

@@ -76,22 +76,23 @@ def test_a_base_changed_in_memory_is_never_replaced_from_the_files(toy_models, t
     assert trainer.state.global_step == 5
 
 
-def _freeze_all_but_the_head(model):
+def _head_only(path: str) -> tuple[torch.nn.Module, torch.nn.Parameter, str]:
+    """The model at `path` with all but its head and norms frozen, its first frozen matrix, and that matrix's name."""
+    model = AutoModelForCausalLM.from_pretrained(path)
     for name, param in model.named_parameters():
         param.requires_grad_("lm_head" in name or "norm" in name)
+    weight = first_frozen_matrix(model)
+    return model, weight, next(n for n, p in model.named_parameters() if p is weight)
 
 
 def test_the_newest_verified_checkpoint_that_holds_it_comes_first(toy_models, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
-    _freeze_all_but_the_head(model)
-    weight = first_frozen_matrix(model)
+    model, weight, name = _head_only(toy_models["qwen2"])
     with torch.no_grad():
         weight.mul_(3)  # no longer what the model's files hold
     expected = weight.detach().clone()
     model.save_pretrained(tmp_path / "checkpoint-4")  # what this run's verified checkpoint holds
     with torch.no_grad():
         weight.view(-1)[:5] = float("nan")
-    name = next(n for n, p in model.named_parameters() if p is weight)
     assert repair_frozen(model, [str(tmp_path / "gone"), str(tmp_path / "checkpoint-4")], step=6) == [name]
     assert torch.equal(weight.detach(), expected)
     assert repair_frozen(model, [], step=6) == []  # nothing damaged: nothing to do
@@ -99,10 +100,7 @@ def test_the_newest_verified_checkpoint_that_holds_it_comes_first(toy_models, tm
 
 @pytest.mark.parametrize("damage", ["all", "half_and_one"])
 def test_too_little_left_to_verify_a_source_stops_the_run(toy_models, tmp_path, damage):
-    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
-    _freeze_all_but_the_head(model)
-    weight = first_frozen_matrix(model)
-    name = next(n for n, p in model.named_parameters() if p is weight)
+    model, weight, name = _head_only(toy_models["qwen2"])
     with torch.no_grad():
         flat = weight.view(-1)
         flat[: flat.numel() if damage == "all" else flat.numel() // 2 + 1] = float("inf")
@@ -128,10 +126,7 @@ def test_a_parameter_unfrozen_after_the_last_snapshot_is_checked_after_a_restore
     # step 6. From memory the restore cannot put it back and its trained values are no longer the files': the run
     # stops there naming it (it went on from a "restored" state still holding NaN, and its abort could not save).
     # From disk, checkpoint-4 holds every weight of this full model: the restore puts it back and training goes on.
-    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
-    _freeze_all_but_the_head(model)
-    weight = first_frozen_matrix(model)
-    name = next(n for n, p in model.named_parameters() if p is weight)
+    model, weight, name = _head_only(toy_models["qwen2"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # every parameter: the frozen ones get no gradient
     trainer = build_trainer(
         "sft", model, tmp_path, preset="guarded", faults=[Fault(6, "frozen")], nan_rollback_from=rollback_from,

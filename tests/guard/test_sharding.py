@@ -3,11 +3,10 @@ through this rank's shard, and a host copy is placed back like its template, wit
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
+from net_utils import free_port
 
 from safe_trainers.guard.sharding import is_sharded, like, local, replicated, reshard
 
@@ -24,10 +23,7 @@ def test_plain_tensors_pass_through_and_copies_land_on_the_templates_device():
 def one_rank_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ import pytest
 from safe_trainers.cli.main import main
 from safe_trainers.errors import SafetyError
 from safe_trainers.openrlhf import CommandError, Generation, generation_for_version, parse_command, sanitize, shim
-from safe_trainers.openrlhf.command import detect_generations
+from safe_trainers.openrlhf.generation_detection import detect_generations
 from safe_trainers.openrlhf.flags import resolve
 from safe_trainers.rules.families import family_from_name
 from safe_trainers.rules.report import REMOVED, Change

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 from guard_utils import checkpoint_steps, recording
+from net_utils import free_port
 from safetensors.torch import save_file
 from test_crash_restarts import assert_uninterrupted_batches, launch_restarting
 
@@ -154,7 +154,7 @@ def test_a_restart_after_train_returned_never_trains_past_max_steps(tmp_path):
     run = str(tmp_path / "out" / "run")
     assert checkpoint_steps(run) == [4, 8]
     record = read_progress(run)
-    assert (record.phase, record.step, record.result["metrics"]) == ("finished", 8, first[0]["metrics"])
+    assert (record.phase, record.step, record.history.result["metrics"]) == ("finished", 8, first[0]["metrics"])
     assert [(e["checkpoint"], e["finished"]) for e in resumes(run)] == [(os.path.join(run, "checkpoint-8"), 8)]
     assert result["global_step"] == 8 and result["finite"]
 
@@ -179,10 +179,7 @@ def test_a_second_launch_with_the_same_rendezvous_is_not_a_restart_of_the_first(
     # With `--log-dir /dev/null` the agent makes no run directory (`TORCHELASTIC_ERROR_FILE` is empty): both agents
     # were `none@host:`, and B's restart returned A's finished state without training a step. The agent process
     # itself (the nearest ancestor the agent did not start, the same for all its restarts) names it then.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    static = ("--rdzv-backend", "static", "--master-port", str(port), *logs)
+    static = ("--rdzv-backend", "static", "--master-port", str(free_port()), *logs)
     launch_restarting(tmp_path, 1, 0, "--max_steps", "8", "--learning_rate", "5e-3", rendezvous=static, wrapper=True)
     (tmp_path / "out" / "stream-rank0.jsonl").unlink()
     (result,), (stream,) = launch_restarting(

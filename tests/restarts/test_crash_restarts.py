@@ -58,21 +58,26 @@ def test_a_new_process_inherits_the_record_of_the_one_that_died(tmp_path):
         writer.write(step, phase)
     writer.close()
     died = read_progress(str(tmp_path))
-    assert died == Progress(1, 7, "step", data, deaths=(Death(0, 7),))
+    assert died == Progress(7, "step", data, History(1, deaths=(Death(0, 7),)))
     history = inherit(died, continuing=True, data=data, skip_after=2)
     assert history.attempt == 2 and history.deaths == (Death(0, 7), Death(1, 7))
     assert history.poisoned_step(7) == Poisoned(7, (0, 1))
     assert inherit(died, continuing=False, data=data, skip_after=2).deaths == ()  # a new run: a new history
     assert inherit(died, continuing=True, data="world=2 batch=2", skip_after=2).deaths == ()  # other batches
-    finished = Progress(3, 10, "finished", data, deaths=(Death(0, 7),), poisoned=(Poisoned(7, (0, 1)),))
+    finished = Progress(10, "finished", data, History(3, deaths=(Death(0, 7),), poisoned=(Poisoned(7, (0, 1)),)))
     after = inherit(finished, continuing=True, data=data, skip_after=2)
     assert after.deaths == (Death(0, 7),) and after.poisoned_step(7)  # no death added; step 7 stays skipped
+
+
+def written(record: Progress, **history) -> Progress:
+    """`record` with some fields of its history changed."""
+    return replace(record, history=replace(record.history, **history))
 
 
 def test_plan_resume_from_the_launchers_restart_count():
     chosen = CheckpointChoice("out/checkpoint-4")
     agents = ("none@host:/tmp/torchelastic_a/none_b",)
-    ours = Progress(1, 6, "step", "", launch=agents, restart=1, checkpoints=(4,))
+    ours = Progress(6, "step", "", History(1, launch=agents, restart=1, checkpoints=(4,)))
 
     def plan(requested, env, record=ours, **kwargs):
         return plan_resume(
@@ -86,14 +91,14 @@ def test_plan_resume_from_the_launchers_restart_count():
     # A restart trusts only its own launch's record for the same `train()` call: none (the launch died before
     # training), another launch's (another agent), one not written by an earlier attempt, or one of an earlier
     # `train()` call of the script, means this call trained nothing yet: it starts over, with a history of its own.
-    others = [None, replace(ours, launch=("none@host:/tmp/torchelastic_c/none_d",)), replace(ours, restart=2)]
+    others = [None, written(ours, launch=("none@host:/tmp/torchelastic_c/none_d",)), written(ours, restart=2)]
     for record, stage in [(r, 1) for r in others] + [(ours, 2)]:
         fresh = plan(None, restarted, record=record, stage=stage)
         assert (fresh.checkpoint, fresh.history.deaths, fresh.history.launch) == (None, (), agents)
         assert (fresh.history.stage, fresh.history.checkpoints) == (stage, ())
     # A later `train()` call of the launch wrote over this one's record in the same output_dir.
     with pytest.raises(ValueError, match=r"call #1 with `output_dir='out'` had finished .* call #2"):
-        plan(None, restarted, record=replace(ours, stage=2))
+        plan(None, restarted, record=written(ours, stage=2))
     assert plan(None, restarted, resume_on_restart=False).checkpoint is None
     assert plan(None, {"TORCHELASTIC_RESTART_COUNT": "0"}).reason == "new"
     assert plan(None, {}).checkpoint is None
@@ -105,12 +110,12 @@ def test_plan_resume_from_the_launchers_restart_count():
     assert plan(True, {}).reason == "requested"
     # A call that finished: its restart returns what it returned (`history.result`), from its final checkpoint.
     result = {"global_step": 8, "training_loss": 0.5, "metrics": {"train_loss": 0.5}}
-    done = plan(None, restarted, record=replace(ours, step=8, phase="finished", result=result))
+    done = plan(None, restarted, record=written(replace(ours, step=8, phase="finished"), result=result))
     assert (done.finished, done.history.result, done.checkpoint) == (True, result, "out/checkpoint-4")
 
 
 def test_a_restart_trusts_only_the_checkpoints_its_launch_published():
-    ours = Progress(1, 6, "step", "", launch=("a",), restart=0, origin="out/checkpoint-2", checkpoints=(4, 8))
+    ours = Progress(6, "step", "", History(1, launch=("a",), restart=0, origin="out/checkpoint-2", checkpoints=(4, 8)))
     problem = this_launchs(ours)
     assert problem("out/checkpoint-12") == NOT_THIS_LAUNCHS  # an earlier run's, whatever its file times say
     assert problem("out/checkpoint-6") == NOT_THIS_LAUNCHS

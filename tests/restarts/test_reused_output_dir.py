@@ -82,7 +82,7 @@ def test_a_death_during_start_up_keeps_the_runs_history(toy_models, tmp_path, mo
     with pytest.raises(SystemExit):
         third.train()
     record = read_progress(str(tmp_path))
-    assert (record.attempt, record.phase) == (2, "between")
+    assert (record.history.attempt, record.phase) == (2, "between")
     fourth = build_trainer("dpo", toy_models["qwen2"], tmp_path, **kw)
     restarted(monkeypatch, 3)
     fourth.train()
@@ -110,7 +110,7 @@ def test_a_finished_call_with_no_checkpoint_trains_again_to_the_same_end(toy_mod
     again = build_trainer("dpo", toy_models["qwen2"], tmp_path, trainer_cls=recording(trainer_class("dpo")), **kw)
     output = again.train()
     assert output == first and [s for s, _ in again.seen] == [1, 2, 3, 4]
-    assert read_progress(str(tmp_path)).result["metrics"] == first.metrics
+    assert read_progress(str(tmp_path)).history.result["metrics"] == first.metrics
 
 
 def test_two_train_calls_sharing_an_output_dir_are_refused_at_restart(toy_models, tmp_path, monkeypatch):

@@ -48,7 +48,8 @@ def test_a_signal_after_the_last_step_keeps_the_finished_run(toy_models, tmp_pat
     assert (caught.value.code, caught.value.step) == (PREEMPTED_EXIT_CODE, 4)
     assert sorted(os.listdir(out)).count("checkpoint-4") == 1 and not nonfinite_in_checkpoints(out)
     record = read_progress(out)
-    assert (record.phase, record.step, record.checkpoints, record.result["global_step"]) == ("finished", 4, (4,), 4)
+    assert (record.phase, record.step, record.history.checkpoints) == ("finished", 4, (4,))
+    assert record.history.result["global_step"] == 4
     event = [e for e in read_events(out) if e["kind"] == "preempt"][-1]
     assert (event["step"], event["checkpoint_step"], event["signal"]) == (4, 4, "SIGTERM")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

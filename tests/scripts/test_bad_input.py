@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from net_utils import free_port
 
 from safe_trainers.scripts.inputs import InputError
 from safe_trainers.testing import toy
@@ -116,12 +117,8 @@ def test_a_shipped_config_on_a_machine_without_the_hub(tmp_path):
 def hub_unreachable(tmp_path: Path) -> dict[str, str | None]:
     """Environment of a machine without the Hub: nothing listens at the endpoint, an empty cache, and no
     `HF_HUB_OFFLINE` (the scripts find out themselves)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"HF_HUB_OFFLINE": None, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf-home")}
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    return {"HF_HUB_OFFLINE": None, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf-home")}
 
 
 def test_a_bug_still_shows_its_traceback(monkeypatch, capsys):

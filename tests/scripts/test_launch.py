@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from net_utils import free_port
 from safetensors.torch import load_file
 
 
@@ -39,12 +39,6 @@ QUICK = [
 # A rare gloo/c10d teardown race on CPU: a non-zero rank can abort in a C++ destructor at interpreter exit, after
 # everything was trained and saved. Such a run is retried once; any other failure fails the test.
 EXIT_RACE = "terminate called without an active exception"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(make_cmd, out: Path, extra_pythonpath: str | None = None, timeout: int = 600) -> tuple[Path, str]:

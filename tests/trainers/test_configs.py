@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
+from net_utils import free_port
 
 from safe_trainers.testing import toy
 from safe_trainers.arguments import SafetyArguments
@@ -224,7 +225,7 @@ json.dump({"deepspeed": trainer.args.deepspeed, "hf": trainer.args.hf_deepspeed_
 """
 
 
-def test_bad_deepspeed_config_fixed_by_dpo_trainer(toy_models, tmp_path, free_port):
+def test_bad_deepspeed_config_fixed_by_dpo_trainer(toy_models, tmp_path):
     """`safe_trainers.DPOTrainer` given a DeepSpeed file with fp16 on and clipping 0.0: fixed and reported (no
     training). In a subprocess: DeepSpeed sets up a process group and global state that must not leak into the
     other tests."""
@@ -233,7 +234,7 @@ def test_bad_deepspeed_config_fixed_by_dpo_trainer(toy_models, tmp_path, free_po
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # fmt: skip
+               MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-c", TRAINER_WITH_BAD_DEEPSPEED, toy_models["qwen2"], str(ds_path), str(out)],
         env=env, capture_output=True, text=True, timeout=300,
@@ -258,10 +259,3 @@ def test_bad_deepspeed_config_fixed_by_dpo_trainer(toy_models, tmp_path, free_po
     assert json.loads(ds_path.read_text()) == BAD_DEEPSPEED  # the user's file is never rewritten
 
 
-@pytest.fixture
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
