@@ -94,6 +94,8 @@ class Progress:
     @classmethod
     def from_json(cls, text: str) -> Progress:
         raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError(f"a step record is a JSON object, not {type(raw).__name__}")
         kept = {k: v for k, v in raw.items() if k in History.__dataclass_fields__}  # a record of an older version
         kept["attempt"] = raw["attempt"]  # as `step`, `phase` and `data`: every version wrote it
         deaths = tuple(Death(**d) for d in kept.pop("deaths", []))

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints
-from net_utils import free_port
+from net_utils import EXIT_RACE, free_port
 
 from safe_trainers.guard import read_events
 from safe_trainers.testing.toy import save_toy_model
@@ -23,7 +23,6 @@ from safe_trainers.testing.toy import save_toy_model
 pytestmark = pytest.mark.distributed
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
-EXIT_RACE = "terminate called without an active exception"
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
     "bf16": {"enabled": "auto"},

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints, recording
+from net_utils import EXIT_RACE
 from safetensors.torch import load_file, save_file
 
 from safe_trainers.guard import read_events
@@ -31,7 +32,6 @@ from safe_trainers.trainers import trainer_class
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "workers", "restart_worker.py")
-EXIT_RACE = "terminate called without an active exception"
 
 
 # ---------------------------------------------------------------------------------------------------- pure decisions

@@ -55,6 +55,8 @@ def test_a_record_of_an_older_version_loads(tmp_path):
 
 def test_a_record_that_is_not_one_reads_as_none(tmp_path):
     assert read_progress(str(tmp_path)) is None  # no file
-    for text in ['{"step": 7, "phase": "step", "data": "d"}', '{"attempt": 1, "step": 7']:
+    # no attempt, cut short, JSON but not an object, a field of the wrong shape
+    for text in ['{"step": 7, "phase": "step", "data": "d"}', '{"attempt": 1, "step": 7', "[]", "null", "7",
+                 '{"attempt": 1, "step": 7, "phase": "step", "data": "d", "deaths": [7]}']:
         _write(tmp_path, text)
         assert read_progress(str(tmp_path)) is None, text

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from net_utils import free_port
+from net_utils import EXIT_RACE, free_port
 from safetensors.torch import load_file
 
 
@@ -36,9 +36,6 @@ QUICK = [
     "--disable_tqdm", "true",
     "--gradient_checkpointing", "false",
 ]  # fmt: skip
-# A rare gloo/c10d teardown race on CPU: a non-zero rank can abort in a C++ destructor at interpreter exit, after
-# everything was trained and saved. Such a run is retried once; any other failure fails the test.
-EXIT_RACE = "terminate called without an active exception"
 
 
 def launch(make_cmd, out: Path, extra_pythonpath: str | None = None, timeout: int = 600) -> tuple[Path, str]:
