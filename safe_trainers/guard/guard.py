@@ -30,7 +30,8 @@ from .events import EventLog
 from .good_state import RollbackSource, rollback_source
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
-from .policy import StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows
+from .policy import StepRecord, Verdict, can_roll_back, judge_window, spike_run_rolled_back, syncs_reference_model
+from .policy import unexplained_overflows
 from .recovery import (
     Restored, abort, nonfinite_start_message, record_overflows, record_rollback, record_skips, record_spikes,
     restore_at_end, restore_last_good, scale_learning_rate, undo_backoff,
@@ -257,7 +258,7 @@ class NanGuard:
 
     def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
         """Restore the last good state and go on (see `recovery.py`); record a `rollback` event."""
-        restored = self._restore_last_good()
+        restored = self._restore_last_good(verdict)
         self.state.rollbacks += 1
         self.rollbacks_this_run += 1
         facts = (self.events, verdict, records, diagnosis, restored, self.state.rollbacks, self.damaged_ranks)
@@ -265,11 +266,13 @@ class NanGuard:
 
     def abort(self, verdict: Verdict) -> None:
         """Restore the last good state, save it as a checkpoint, record an `abort` event and raise."""
-        restored = self._restore_last_good()  # verified and counted before the checkpoint saves it
+        restored = self._restore_last_good(verdict)  # verified and counted before the checkpoint saves it
         with self.watchdog.paused():  # the checkpoint's save is not timed with the step (a hang would restart it)
             abort(self.trainer, self.events, verdict, restored, self.state, self.rollbacks_this_run, self.settings)
 
-    def _restore_last_good(self) -> Restored:
+    def _restore_last_good(self, verdict: Verdict) -> Restored:
+        if self.spikes is not None and spike_run_rolled_back(verdict):
+            self.spikes.restart()  # warm up again on the run's level (also in the abort's saved state)
         self._refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
         with self.watchdog.paused():  # from memory, or a whole checkpoint from disk
             restored = restore_last_good(self.trainer, self.snapshotter, self.settings.nan_lr_backoff)

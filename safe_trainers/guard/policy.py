@@ -114,6 +114,14 @@ def judge_window(
     return Verdict(skipped, rollback, fault_step, consecutive, overflows, spikes)
 
 
+def spike_run_rolled_back(verdict: Verdict) -> bool:
+    """Whether `verdict` rolls back a run of skipped steps that holds a spiking step: the spike detector's window then
+    restarts (see `spikes.py`), since a level that spikes that many steps in a row may be the run's new level."""
+    if verdict.rollback != "consecutive_skips" or verdict.fault_step is None:
+        return False
+    return any(record.step >= verdict.fault_step for record in verdict.spikes)
+
+
 def unexplained_overflows(records: list[StepRecord], loss_scale: float | None) -> list[StepRecord]:
     """Overflow records the loss scaler cannot explain become faults: once its scale has backed off to 1 or less it no
     longer scales anything, so a non-finite gradient is the gradient's own, however often the scaler skips it."""
