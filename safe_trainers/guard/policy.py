@@ -26,6 +26,8 @@ class StepRecord:
             finite loss: the scaler's normal calibration, not a fault.
         spike (`bool`): the spike detector found the step's loss or gradient norm far above its recent values (see
             `spikes.py`); its update was skipped, on the device, unless DeepSpeed had already applied it.
+        judged_loss (`float`): the loss the spike detector judged: the largest rank's, the same on every rank (`loss`
+            is this rank's own).
     """
 
     step: int
@@ -35,6 +37,7 @@ class StepRecord:
     bad_ranks: tuple[int, ...] = ()
     overflow: bool = False
     spike: bool = False
+    judged_loss: float = math.nan
 
     @property
     def what(self) -> list[str]:

@@ -259,7 +259,7 @@ def record_spikes(events: EventLog, spikes: list[StepRecord], skipped: bool = Tr
     """Record and log the steps the spike detector found spiking (`skipped`: their update was not applied; under
     DeepSpeed it was, and a rollback follows); returns how many."""
     for record in spikes:
-        events.add(NanEvent(record.step, "spike", [], [], {"loss": record.loss, "grad_norm": record.grad_norm}))
+        events.add(NanEvent(record.step, "spike", [], [], {"loss": record.judged_loss, "grad_norm": record.grad_norm}))
     if spikes and skipped:
         logger.warning(
             f"NaN guard: {len(spikes)} update(s) whose loss or gradient norm spiked far above the recent steps' were "

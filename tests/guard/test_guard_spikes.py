@@ -251,6 +251,8 @@ def test_two_ranks_skip_a_spike_on_one_rank_alike(tmp_path):
     events = check_in_sync(results, 0, 0, tmp_path / "out")
     assert [(e["step"], e["kind"]) for e in events] == [(20, "spike")]
     assert [r["spikes"] for r in results] == [1, 1] and [20, "loss_scale"] in results[1]["injected"]
+    # The event shows the loss that was judged (rank 1's, x100 of DPO's ~log 2), not rank 0's own ordinary loss.
+    assert events[0]["loss"] > 10 * math.log(2)
     assert all(r["global_step"] == 22 for r in results)
 
 
