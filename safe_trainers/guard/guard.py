@@ -33,8 +33,8 @@ from .localize import RecentBatches, diagnose
 from .policy import StepRecord, Verdict, can_roll_back, judge_window, spike_run_rolled_back, syncs_reference_model
 from .policy import unexplained_overflows
 from .recovery import (
-    Restored, abort, nonfinite_start_message, record_overflows, record_rollback, record_skips, record_spikes,
-    restore_at_end, restore_last_good, scale_learning_rate, undo_backoff,
+    Restored, abort, nonfinite_start_message, record_rollback, record_window, restore_at_end, restore_last_good,
+    scale_learning_rate, undo_backoff,
 )  # fmt: skip
 from .snapshot import Snapshotter
 from .spikes import SpikeSettings, SpikeWindow
@@ -202,14 +202,12 @@ class NanGuard:
         limit = self.settings.nan_max_consecutive_skips
         verdict = judge_window(records, self._consecutive, limit, self.deepspeed, state_finite)
         self._consecutive = verdict.consecutive
-        self.state.overflow_steps += record_overflows(self.events, verdict.overflows)
-        self.state.spike_steps += record_spikes(self.events, verdict.spikes, skipped=not self.deepspeed)
         diagnosis = None
         if (
             verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
         ) and not self.state.localized:
             diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
-        self.state.skipped_steps += record_skips(self.events, verdict.skipped, diagnosis)
+        record_window(self.events, verdict, diagnosis, self.state, spikes_skipped=not self.deepspeed)
         self.ledger.record_skips(len(verdict.skipped) + len(verdict.spikes))
         self.batches.clear()
         if verdict.rollback is not None:

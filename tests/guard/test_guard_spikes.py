@@ -268,3 +268,15 @@ def test_a_lasting_level_shift_costs_one_rollback_not_the_run(toy_models, tmp_pa
     assert events == [(25, "spike"), (26, "spike"), (27, "spike"), (27, "rollback")]
     assert trainer.state.global_step == 60 and trainer.nan_guard.state.rollbacks == 1
     assert int(trainer.nan_guard.spikes.count) == 60 - 27  # every step since the rollback entered the new window
+
+
+def test_one_inspection_records_its_skips_and_spikes_in_step_order(toy_models, tmp_path):
+    # A NaN loss at step 21 and a spike at step 22 are read back at the same inspection (the snapshot's, at step 22:
+    # no log in between): the event log keeps them in the order they happened, and the skip shows the NaN loss (the
+    # spike detector judged it as 0).
+    faults = [Fault(step=21, kind="loss"), Fault(step=22, kind="loss_scale", value=100.0)]
+    trainer, _ = spiky_dpo(toy_models, tmp_path, faults, max_steps=24, logging_steps=50)
+    trainer.train()
+    events = read_events(str(tmp_path))
+    assert [(e["step"], e["kind"]) for e in events] == [(21, "skip"), (22, "spike")]
+    assert events[0]["loss"] == "nan" and events[1]["loss"] > 10 * math.log(2)
