@@ -30,8 +30,8 @@ from .events import EventLog
 from .good_state import RollbackSource, rollback_source
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
-from .policy import StepRecord, Verdict, can_roll_back, judge_window, spike_run_rolled_back, syncs_reference_model
-from .policy import unexplained_overflows
+from .policy import StepRecord, Verdict, can_roll_back, diagnosed_step, judge_window, spike_run_rolled_back
+from .policy import syncs_reference_model, unexplained_overflows
 from .recovery import (
     Restored, abort, nonfinite_start_message, record_rollback, record_window, restore_at_end, restore_last_good,
     scale_learning_rate, undo_backoff,
@@ -202,11 +202,8 @@ class NanGuard:
         limit = self.settings.nan_max_consecutive_skips
         verdict = judge_window(records, self._consecutive, limit, self.deepspeed, state_finite)
         self._consecutive = verdict.consecutive
-        diagnosis = None
-        if (
-            verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
-        ) and not self.state.localized:
-            diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
+        diagnosed = diagnosed_step(verdict) if not self.state.localized else None
+        diagnosis = self._localize(diagnosed) if diagnosed is not None else None
         record_window(self.events, verdict, diagnosis, self.state, spikes_skipped=not self.deepspeed)
         self.ledger.record_skips(len(verdict.skipped) + len(verdict.spikes))
         self.batches.clear()

@@ -125,6 +125,19 @@ def spike_run_rolled_back(verdict: Verdict) -> bool:
     return any(record.step >= verdict.fault_step for record in verdict.spikes)
 
 
+def diagnosed_step(verdict: Verdict) -> int | None:
+    """The step whose micro-batches the one-time NaN diagnosis replays (`localize.py`): the first skipped non-finite
+    step, else the first step of a fault found without one in this window (a run of skips begun earlier, a damaged
+    state); `None` when nothing non-finite happened (a run of spiking steps is finite)."""
+    if verdict.skipped:
+        return verdict.skipped[0].step
+    if verdict.rollback == "nonfinite_state" or (
+        verdict.rollback == "consecutive_skips" and not spike_run_rolled_back(verdict)
+    ):
+        return verdict.fault_step
+    return None
+
+
 def unexplained_overflows(records: list[StepRecord], loss_scale: float | None) -> list[StepRecord]:
     """Overflow records the loss scaler cannot explain become faults: once its scale has backed off to 1 or less it no
     longer scales anything, so a non-finite gradient is the gradient's own, however often the scaler skips it."""

@@ -19,7 +19,7 @@ from hypothesis import strategies as st_
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.policy import StepRecord, judge_window, spike_run_rolled_back
+from safe_trainers.guard.policy import StepRecord, diagnosed_step, judge_window, spike_run_rolled_back
 from safe_trainers.guard.spikes import SpikeSettings, SpikeWindow
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
@@ -135,6 +135,9 @@ def test_spiking_steps_count_as_skips_and_roll_back_in_a_row():
     assert spike_run_rolled_back(judge_window([spike(4)], 2, 3))
     assert not spike_run_rolled_back(judge_window([spike(2), ok, replace(fault, step=3), replace(fault, step=4),
                                                    fault], 0, 3))  # fmt: skip
+    # Only a non-finite fault is diagnosed (the replay that names the first non-finite module); spikes are finite.
+    assert diagnosed_step(judge_window([spike(4)], 2, 3)) is None
+    assert diagnosed_step(judge_window([spike(3), fault], 1, 3)) == 5
     # Under DeepSpeed the update was applied before the flag existed: a spike then rolls back at once.
     verdict = judge_window([ok, spike(2)], 0, 3, spikes_applied=True)
     assert (verdict.rollback, verdict.fault_step, verdict.consecutive) == ("loss_spike", 2, 0)
@@ -280,3 +283,15 @@ def test_one_inspection_records_its_skips_and_spikes_in_step_order(toy_models, t
     events = read_events(str(tmp_path))
     assert [(e["step"], e["kind"]) for e in events] == [(21, "skip"), (22, "spike")]
     assert events[0]["loss"] == "nan" and events[1]["loss"] > 10 * math.log(2)
+
+
+def test_a_run_of_spikes_leaves_the_nan_diagnosis_to_a_nan(toy_models, tmp_path):
+    # Two spikes in a row (steps 23-24, read back together) roll back: nothing non-finite to localize, so no replay,
+    # and the one-time diagnosis is still there for the NaN loss of step 30.
+    faults = [Fault(step=23, kind="loss_scale", value=100.0, repeat=2), Fault(step=30, kind="loss")]
+    trainer, _ = spiky_dpo(toy_models, tmp_path, faults, max_steps=32, logging_steps=50, nan_max_consecutive_skips=2)
+    trainer.train()
+    events = {(e["step"], e["kind"]): e for e in read_events(str(tmp_path))}
+    assert list(events) == [(23, "spike"), (24, "spike"), (24, "rollback"), (30, "skip")]
+    assert "first_nonfinite_module" not in events[24, "rollback"]
+    assert events[30, "skip"]["first_nonfinite_module"]["module"] == "model.layers.1"
