@@ -30,10 +30,11 @@ from .events import EventLog
 from .good_state import RollbackSource, rollback_source
 from .ledger import LossLedger
 from .localize import RecentBatches, diagnose
-from .policy import StepRecord, Verdict, can_roll_back, judge_window, syncs_reference_model, unexplained_overflows
+from .policy import StepRecord, Verdict, can_roll_back, diagnosed_step, judge_window, spike_run_rolled_back
+from .policy import syncs_reference_model, unexplained_overflows
 from .recovery import (
-    Restored, abort, nonfinite_start_message, record_overflows, record_rollback, record_skips, record_spikes,
-    restore_at_end, restore_last_good, scale_learning_rate, undo_backoff,
+    Restored, abort, nonfinite_start_message, record_rollback, record_window, restore_at_end, restore_last_good,
+    scale_learning_rate, undo_backoff,
 )  # fmt: skip
 from .snapshot import Snapshotter
 from .spikes import SpikeSettings, SpikeWindow
@@ -201,14 +202,9 @@ class NanGuard:
         limit = self.settings.nan_max_consecutive_skips
         verdict = judge_window(records, self._consecutive, limit, self.deepspeed, state_finite)
         self._consecutive = verdict.consecutive
-        self.state.overflow_steps += record_overflows(self.events, verdict.overflows)
-        self.state.spike_steps += record_spikes(self.events, verdict.spikes, skipped=not self.deepspeed)
-        diagnosis = None
-        if (
-            verdict.skipped or verdict.rollback in ("consecutive_skips", "nonfinite_state")
-        ) and not self.state.localized:
-            diagnosis = self._localize(verdict.skipped[0].step if verdict.skipped else verdict.fault_step)
-        self.state.skipped_steps += record_skips(self.events, verdict.skipped, diagnosis)
+        diagnosed = diagnosed_step(verdict) if not self.state.localized else None
+        diagnosis = self._localize(diagnosed) if diagnosed is not None else None
+        record_window(self.events, verdict, diagnosis, self.state, spikes_skipped=not self.deepspeed)
         self.ledger.record_skips(len(verdict.skipped) + len(verdict.spikes))
         self.batches.clear()
         if verdict.rollback is not None:
@@ -257,7 +253,7 @@ class NanGuard:
 
     def rollback(self, verdict: Verdict, records: list[StepRecord], diagnosis: dict | None) -> None:
         """Restore the last good state and go on (see `recovery.py`); record a `rollback` event."""
-        restored = self._restore_last_good()
+        restored = self._restore_last_good(verdict)
         self.state.rollbacks += 1
         self.rollbacks_this_run += 1
         facts = (self.events, verdict, records, diagnosis, restored, self.state.rollbacks, self.damaged_ranks)
@@ -265,11 +261,13 @@ class NanGuard:
 
     def abort(self, verdict: Verdict) -> None:
         """Restore the last good state, save it as a checkpoint, record an `abort` event and raise."""
-        restored = self._restore_last_good()  # verified and counted before the checkpoint saves it
+        restored = self._restore_last_good(verdict)  # verified and counted before the checkpoint saves it
         with self.watchdog.paused():  # the checkpoint's save is not timed with the step (a hang would restart it)
             abort(self.trainer, self.events, verdict, restored, self.state, self.rollbacks_this_run, self.settings)
 
-    def _restore_last_good(self) -> Restored:
+    def _restore_last_good(self, verdict: Verdict) -> Restored:
+        if self.spikes is not None and spike_run_rolled_back(verdict):
+            self.spikes.restart()  # warm up again on the run's level (also in the abort's saved state)
         self._refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
         with self.watchdog.paused():  # from memory, or a whole checkpoint from disk
             restored = restore_last_good(self.trainer, self.snapshotter, self.settings.nan_lr_backoff)

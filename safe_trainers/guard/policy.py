@@ -26,6 +26,8 @@ class StepRecord:
             finite loss: the scaler's normal calibration, not a fault.
         spike (`bool`): the spike detector found the step's loss or gradient norm far above its recent values (see
             `spikes.py`); its update was skipped, on the device, unless DeepSpeed had already applied it.
+        judged_loss (`float`): the loss the spike detector judged: the largest rank's, the same on every rank (`loss`
+            is this rank's own).
     """
 
     step: int
@@ -35,6 +37,7 @@ class StepRecord:
     bad_ranks: tuple[int, ...] = ()
     overflow: bool = False
     spike: bool = False
+    judged_loss: float = math.nan
 
     @property
     def what(self) -> list[str]:
@@ -112,6 +115,27 @@ def judge_window(
         rollback = "nonfinite_state"
         fault_step = skipped[0].step if skipped else (records[0].step if records else None)
     return Verdict(skipped, rollback, fault_step, consecutive, overflows, spikes)
+
+
+def spike_run_rolled_back(verdict: Verdict) -> bool:
+    """Whether `verdict` rolls back a run of skipped steps that holds a spiking step: the spike detector's window then
+    restarts (see `spikes.py`), since a level that spikes that many steps in a row may be the run's new level."""
+    if verdict.rollback != "consecutive_skips" or verdict.fault_step is None:
+        return False
+    return any(record.step >= verdict.fault_step for record in verdict.spikes)
+
+
+def diagnosed_step(verdict: Verdict) -> int | None:
+    """The step whose micro-batches the one-time NaN diagnosis replays (`localize.py`): the first skipped non-finite
+    step, else the first step of a fault found without one in this window (a run of skips begun earlier, a damaged
+    state); `None` when nothing non-finite happened (a run of spiking steps is finite)."""
+    if verdict.skipped:
+        return verdict.skipped[0].step
+    if verdict.rollback == "nonfinite_state" or (
+        verdict.rollback == "consecutive_skips" and not spike_run_rolled_back(verdict)
+    ):
+        return verdict.fault_step
+    return None
 
 
 def unexplained_overflows(records: list[StepRecord], loss_scale: float | None) -> list[StepRecord]:

@@ -240,39 +240,38 @@ def abort_message(head: str, restored: Restored, checkpoint: str | None, lr_scal
     )
 
 
-def record_skips(events: EventLog, skipped: list[StepRecord], diagnosis: dict | None) -> int:
-    """Record and log the steps whose update was prevented (the first carries the diagnosis); returns how many."""
-    for i, record in enumerate(skipped):
+def record_window(
+    events: EventLog, verdict: Verdict, diagnosis: dict | None, state: GuardState, spikes_skipped: bool = True
+) -> None:
+    """Record one inspection's steps as events, in step order: the loss scaler's own skips (`overflow`, not faults),
+    the spiking steps (`spike`; `spikes_skipped`: their update was not applied, under DeepSpeed it was and a rollback
+    follows) and the steps whose update was prevented (`skip`, the first with the `diagnosis`); log the last two and
+    count all three in `state`, the guard's counters."""
+    made = [NanEvent(r.step, "overflow", ["grad_norm"], [], {"loss": r.loss}) for r in verdict.overflows]
+    made += [
+        NanEvent(r.step, "spike", [], [], {"loss": r.judged_loss, "grad_norm": r.grad_norm}) for r in verdict.spikes
+    ]
+    for i, record in enumerate(verdict.skipped):
         detail: dict[str, Any] = {"loss": record.loss, "grad_norm": record.grad_norm}
         if i == 0 and diagnosis is not None:
             detail["first_nonfinite_module"] = diagnosis
-        events.add(NanEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
+        made.append(NanEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
+    for event in sorted(made, key=lambda event: event.step):  # stable: one step is never two of these kinds
+        events.add(event)
+    spikes, skipped = [r.step for r in verdict.spikes], [r.step for r in verdict.skipped]
+    if spikes and spikes_skipped:
+        logger.warning(
+            f"NaN guard: {len(spikes)} update(s) whose loss or gradient norm spiked far above the recent steps' were "
+            f"not applied (steps {spikes}; `nan_spike_factor=0` turns this off). See {events.path}."
+        )
     if skipped:
         logger.warning(
             f"NaN guard: {len(skipped)} update(s) with a non-finite loss or gradient were not applied "
-            f"(steps {[r.step for r in skipped]}). See {events.path}."
+            f"(steps {skipped}). See {events.path}."
         )
-    return len(skipped)
-
-
-def record_spikes(events: EventLog, spikes: list[StepRecord], skipped: bool = True) -> int:
-    """Record and log the steps the spike detector found spiking (`skipped`: their update was not applied; under
-    DeepSpeed it was, and a rollback follows); returns how many."""
-    for record in spikes:
-        events.add(NanEvent(record.step, "spike", [], [], {"loss": record.loss, "grad_norm": record.grad_norm}))
-    if spikes and skipped:
-        logger.warning(
-            f"NaN guard: {len(spikes)} update(s) whose loss or gradient norm spiked far above the recent steps' were "
-            f"not applied (steps {[r.step for r in spikes]}; `nan_spike_factor=0` turns this off). See {events.path}."
-        )
-    return len(spikes)
-
-
-def record_overflows(events: EventLog, overflows: list[StepRecord]) -> int:
-    """Record the loss scaler's own skips (not faults); returns how many."""
-    for record in overflows:
-        events.add(NanEvent(record.step, "overflow", ["grad_norm"], [], {"loss": record.loss}))
-    return len(overflows)
+    state.overflow_steps += len(verdict.overflows)
+    state.spike_steps += len(spikes)
+    state.skipped_steps += len(skipped)
 
 
 def record_rewards(events: EventLog, step: int, nonfinite: int, total: int, whole_groups: int) -> NanEvent:

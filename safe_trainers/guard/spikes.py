@@ -13,6 +13,9 @@ and gradient of exactly 0; a history of zeros would make every informative step 
 `warmup` steps have entered the window. The deviation is measured against `max(std, RELATIVE_FLOOR * |mean|)`, so a
 nearly constant history does not turn ordinary noise into a huge score.
 
+A run of spiking steps long enough to roll back restarts the window ([`SpikeWindow.restart`]): the detector warms
+up again on the values the run now trains at, so a lasting change of level costs one rollback, not the run.
+
 The window is the guard's saved state: [`SpikeWindow.history`] reads it back (oldest first) when a checkpoint is
 written, and a resumed run starts from it, so its first steps are judged against the run's own history.
 """
@@ -101,6 +104,14 @@ class SpikeWindow:
         self.values.copy_(torch.where(enters & slot, point[:, None], self.values))
         self.count.add_(enters.to(torch.int64))
         return spike
+
+    def restart(self) -> None:
+        """Forget the window and warm up again (a device write, no host synchronisation). After a run of spiking
+        steps has rolled back, the level the run kept spiking at may be its own new level (a new data mix, a
+        rescaled reward): a window that holds only the old level would reject every later step."""
+        self._history = None
+        if self.count is not None:
+            self.count.zero_()
 
     def history(self) -> dict[str, list[float]] | None:
         """The window's values, oldest first, as the checkpoint keeps them (a host read: only when saving)."""

@@ -34,6 +34,7 @@ class PendingStep(NamedTuple):
         overflow (`torch.Tensor`): the loss scaler's overflow (finite loss, non-finite gradients under fp16).
         spike (`torch.Tensor`): the spike detector found the step spiking (its update is skipped where the guard
             skips; under DeepSpeed, which steps inside `backward`, it was applied).
+        judged_loss (`torch.Tensor`): the loss the spike detector judged, the largest rank's (the same on every rank).
     """
 
     step: int
@@ -43,6 +44,7 @@ class PendingStep(NamedTuple):
     grad_norm: torch.Tensor
     overflow: torch.Tensor
     spike: torch.Tensor
+    judged_loss: torch.Tensor
 
 
 class StepFlags:
@@ -116,7 +118,7 @@ class StepFlags:
         else:
             spike = torch.zeros_like(fault)
         skip = fault | spike
-        self.pending.append(PendingStep(step, fault, local, loss, norm, overflow, spike))
+        self.pending.append(PendingStep(step, fault, local, loss, norm, overflow, spike, agreed[2]))
         self.fault_now = skip
         self._loss_bad = self._loss_sum = None
         return skip
@@ -142,15 +144,15 @@ class StepFlags:
         if not pending:
             return []
         table = torch.stack(
-            [torch.stack([p.fault, p.loss, p.grad_norm, p.overflow, p.spike]).float() for p in pending]
+            [torch.stack([p.fault, p.loss, p.grad_norm, p.overflow, p.spike, p.judged_loss]).float() for p in pending]
         ).cpu()
         bad = [bool(flag) for flag in table[:, 0].tolist()]
         losses, norms = table[:, 1].tolist(), table[:, 2].tolist()
-        overflow, spike = table[:, 3].tolist(), table[:, 4].tolist()
+        overflow, spike, judged = table[:, 3].tolist(), table[:, 4].tolist(), table[:, 5].tolist()
         ranks = ranks_with_flag(torch.stack([p.local for p in pending])) if any(bad) else [[] for _ in pending]
         return [
-            StepRecord(p.step, loss, norm, b, tuple(r), bool(o), bool(k))
-            for p, loss, norm, b, r, o, k in zip(pending, losses, norms, bad, ranks, overflow, spike)
+            StepRecord(p.step, loss, norm, b, tuple(r), bool(o), bool(k), j)
+            for p, loss, norm, b, r, o, k, j in zip(pending, losses, norms, bad, ranks, overflow, spike, judged)
         ]
 
     def clear(self) -> None:

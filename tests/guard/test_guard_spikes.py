@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from hypothesis import strategies as st_
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.policy import StepRecord, judge_window
+from safe_trainers.guard.policy import StepRecord, diagnosed_step, judge_window, spike_run_rolled_back
 from safe_trainers.guard.spikes import SpikeSettings, SpikeWindow
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
@@ -129,6 +130,14 @@ def test_spiking_steps_count_as_skips_and_roll_back_in_a_row():
     assert verdict.rollback is None and verdict.consecutive == 2 and [r.step for r in verdict.spikes] == [2, 3]
     assert verdict.skipped == []  # not faults: no diagnosis, no `skip` events
     assert judge_window([spike(4)], 2, 3).rollback == "consecutive_skips"
+    # A run of skips that holds a spike restarts the window; a run of faults alone, or an earlier spike, does not.
+    fault = StepRecord(5, NAN, 1.0, bad=True)
+    assert spike_run_rolled_back(judge_window([spike(4)], 2, 3))
+    assert not spike_run_rolled_back(judge_window([spike(2), ok, replace(fault, step=3), replace(fault, step=4),
+                                                   fault], 0, 3))  # fmt: skip
+    # Only a non-finite fault is diagnosed (the replay that names the first non-finite module); spikes are finite.
+    assert diagnosed_step(judge_window([spike(4)], 2, 3)) is None
+    assert diagnosed_step(judge_window([spike(3), fault], 1, 3)) == 5
     # Under DeepSpeed the update was applied before the flag existed: a spike then rolls back at once.
     verdict = judge_window([ok, spike(2)], 0, 3, spikes_applied=True)
     assert (verdict.rollback, verdict.fault_step, verdict.consecutive) == ("loss_spike", 2, 0)
@@ -245,4 +254,44 @@ def test_two_ranks_skip_a_spike_on_one_rank_alike(tmp_path):
     events = check_in_sync(results, 0, 0, tmp_path / "out")
     assert [(e["step"], e["kind"]) for e in events] == [(20, "spike")]
     assert [r["spikes"] for r in results] == [1, 1] and [20, "loss_scale"] in results[1]["injected"]
+    # The event shows the loss that was judged (rank 1's, x100 of DPO's ~log 2), not rank 0's own ordinary loss.
+    assert events[0]["loss"] > 10 * math.log(2)
     assert all(r["global_step"] == 22 for r in results)
+
+
+def test_a_lasting_level_shift_costs_one_rollback_not_the_run(toy_models, tmp_path):
+    # From step 25 on every loss (and gradient) is x3 for good: the run's own new level (a new data mix, a reward
+    # rescaled), not a spike. Spiking steps never enter the window, so a window of the old level would reject every
+    # later step: rollback after rollback until `nan_max_rollbacks`, then `TrainingDivergedError`. The run of spikes
+    # rolls back once; the detector then warms up again on the level the run now trains at, and the run finishes.
+    trainer, _ = spiky_dpo(toy_models, tmp_path, [Fault(step=25, kind="loss_scale", value=3.0, repeat=1000)],
+                           max_steps=60)  # fmt: skip
+    trainer.train()
+    events = [(e["step"], e["kind"]) for e in read_events(str(tmp_path))]
+    assert events == [(25, "spike"), (26, "spike"), (27, "spike"), (27, "rollback")]
+    assert trainer.state.global_step == 60 and trainer.nan_guard.state.rollbacks == 1
+    assert int(trainer.nan_guard.spikes.count) == 60 - 27  # every step since the rollback entered the new window
+
+
+def test_one_inspection_records_its_skips_and_spikes_in_step_order(toy_models, tmp_path):
+    # A NaN loss at step 21 and a spike at step 22 are read back at the same inspection (the snapshot's, at step 22:
+    # no log in between): the event log keeps them in the order they happened, and the skip shows the NaN loss (the
+    # spike detector judged it as 0).
+    faults = [Fault(step=21, kind="loss"), Fault(step=22, kind="loss_scale", value=100.0)]
+    trainer, _ = spiky_dpo(toy_models, tmp_path, faults, max_steps=24, logging_steps=50)
+    trainer.train()
+    events = read_events(str(tmp_path))
+    assert [(e["step"], e["kind"]) for e in events] == [(21, "skip"), (22, "spike")]
+    assert events[0]["loss"] == "nan" and events[1]["loss"] > 10 * math.log(2)
+
+
+def test_a_run_of_spikes_leaves_the_nan_diagnosis_to_a_nan(toy_models, tmp_path):
+    # Two spikes in a row (steps 23-24, read back together) roll back: nothing non-finite to localize, so no replay,
+    # and the one-time diagnosis is still there for the NaN loss of step 30.
+    faults = [Fault(step=23, kind="loss_scale", value=100.0, repeat=2), Fault(step=30, kind="loss")]
+    trainer, _ = spiky_dpo(toy_models, tmp_path, faults, max_steps=32, logging_steps=50, nan_max_consecutive_skips=2)
+    trainer.train()
+    events = {(e["step"], e["kind"]): e for e in read_events(str(tmp_path))}
+    assert list(events) == [(23, "spike"), (24, "spike"), (24, "rollback"), (30, "skip")]
+    assert "first_nonfinite_module" not in events[24, "rollback"]
+    assert events[30, "skip"]["first_nonfinite_module"]["module"] == "model.layers.1"

@@ -29,7 +29,8 @@ def test_healthy_and_faulted_steps_read_back_in_one_list():
     assert close(flags, 3, [1.0], torch.tensor(float("inf"))) is True
     records = flags.read()
     assert flags.pending == [] and flags.read() == []
-    assert records[0] == StepRecord(1, 3.0, 0.5, False, (), False, False)  # the loss is the micro-batches' sum
+    assert records[0] == StepRecord(1, 3.0, 0.5, False, (), False, False, 3.0)  # the loss is the micro-batches' sum
+    assert records[1].judged_loss == 0.0  # a non-finite loss is a fault, judged as 0 by the spike detector
     assert records[1].bad and records[1].bad_ranks == (0,)  # a non-finite loss names its rank
     assert records[2].bad and records[2].bad_ranks == ()  # only the gradient was non-finite
     assert math.isnan(records[1].loss) and math.isinf(records[2].grad_norm)

@@ -244,3 +244,17 @@ def test_restart_on_two_ranks_skips_the_batches_that_kill_one_rank(tmp_path):
     events = read_events(str(tmp_path / "out" / "run"))
     assert [(e["step"], e["kind"]) for e in events] == [(4, "resume"), (4, "resume"), (6, "poison"), (6, "skip")]
     assert events[2]["attempts"] == [0, 1]
+
+
+@pytest.mark.distributed
+def test_a_restart_judges_its_first_steps_against_the_saved_spike_window(tmp_path):
+    # Spike detection on (k=6, warm-up 4, lr 1e-5), a checkpoint every 10 steps. Each attempt sees a loss x100 at
+    # step 11; attempt 0 dies feeding step 12. Attempt 1 resumes from checkpoint-10, whose window holds steps 1-10, and
+    # skips step 11 at once: a window started afresh would still be warming up and let it through.
+    args = ["--spike", "6:4", "--learning_rate", "1e-5", "--max_steps", "13", "--save_steps", "10"]
+    (result,), _ = launch_restarting(tmp_path, 1, 1, "--kill", "12:0", "--fault", "loss_scale:11:100", *args)
+    assert (result["attempt"], result["global_step"], result["spikes"]) == (1, 13, 1)
+    events = read_events(str(tmp_path / "out" / "run"))
+    assert [(e["step"], e["kind"]) for e in events] == [(10, "resume"), (11, "spike")]
+    saved = json.loads((tmp_path / "out" / "run" / "checkpoint-10" / "nan_guard_state.json").read_text())
+    assert len(saved["spike_window"]["loss"]) == 10

@@ -54,7 +54,9 @@ def parse(argv=None):
     parser.add_argument("--preempt", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (SIGTERM to itself)")
     parser.add_argument("--hang", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (sleeps forever)")
     parser.add_argument("--hang_timeout", type=float, default=900.0)
-    parser.add_argument("--fault", action="append", default=[], help="kind:step (a NaN fault on every rank)")
+    parser.add_argument(
+        "--fault", action="append", default=[], help="kind:step[:value] (a fault on every rank; NaN by default)"
+    )
     parser.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True): a new job")
     parser.add_argument("--max_steps", type=int, default=10)
     parser.add_argument("--save_steps", type=int, default=4)
@@ -66,7 +68,14 @@ def parse(argv=None):
     parser.add_argument("--save_total_limit", type=int, default=None)
     parser.add_argument("--rollback_from", default="memory")
     parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--spike", default="", help="FACTOR:WARMUP (spike detection on)")
     return parser.parse_args(argv)
+
+
+def fault_from(spec: str) -> Fault:
+    """A `--fault` spec, `kind:step[:value]`."""
+    kind, step, *value = spec.split(":")
+    return Fault(step=int(step), kind=kind, value=float(value[0]) if value else float("nan"))
 
 
 def in_attempts(attempts: str) -> bool:
@@ -163,7 +172,11 @@ def main(argv=None) -> int:
     kill_steps = {s for s in (kills_at(spec, rank) for spec in ns.kill) if s is not None}
     KillingDPOTrainer.signal_steps = {s for s in (kills_at(spec, rank) for spec in ns.preempt) if s is not None}
     KillingDPOTrainer.hang_steps = {s for s in (kills_at(spec, rank) for spec in ns.hang) if s is not None}
-    faults = [Fault(step=int(spec.split(":")[1]), kind=spec.split(":")[0]) for spec in ns.fault]
+    faults = [fault_from(spec) for spec in ns.fault]
+    spikes = {}
+    if ns.spike:
+        factor, warmup = ns.spike.split(":")
+        spikes = {"nan_spike_factor": float(factor), "nan_spike_warmup": int(warmup)}
     model = ns.model
     for stage in range(1, ns.stages + 1):
         KillingDPOTrainer.stage = stage
@@ -181,6 +194,7 @@ def main(argv=None) -> int:
             nan_rollback_from=ns.rollback_from,
             learning_rate=ns.learning_rate,
             hang_timeout=ns.hang_timeout,
+            **spikes,
         )
         trainer.add_callback(DamagesCheckpoints(ns.backdate, ns.truncate))
         if ns.die_before_train and in_attempts(ns.die_before_train):
@@ -201,6 +215,7 @@ def main(argv=None) -> int:
         "skipped": guard.state.skipped_steps,
         "rollbacks": guard.state.rollbacks,
         "lr_scale": guard.state.lr_scale,
+        "spikes": guard.state.spike_steps,
         "checksum": checksum(trainer.model),
         "expected": expected_stream(trainer, ns.max_steps * trainer.args.gradient_accumulation_steps),
     }
