@@ -122,6 +122,12 @@ def _learning_rate(value: float, facts: Facts) -> Verdict:
     return problem, "Pass a positive step size, e.g. `--learning_rate 1e-5` (or `--learning_rate=1e-5`)."
 
 
+def _positive_count(what: str, example: str) -> Callable[[Any, Facts], Verdict]:
+    """A judge of a count that must be at least 1: `what` it counts, and an `example` flag with a good value."""
+    return lambda value, facts: None if value is None or value >= 1 else (
+        f"is not a positive number of {what}", f"Pass 1 or more, e.g. `{example}`.")  # fmt: skip
+
+
 def _offline(facts: Facts) -> bool:
     return facts.hub is not None and not facts.hub.online
 
@@ -221,6 +227,10 @@ def _columns(name: str | None, facts: Facts) -> Verdict:
 INPUT_CHECKS: tuple[Row, ...] = (
     Row("config", "argv", _config_file, doc="the YAML file exists and holds a mapping of settings"),
     Row("learning_rate", "settings", _learning_rate, doc="a finite number >= 0"),
+    Row("per_device_train_batch_size", "settings", _positive_count("examples", "--per_device_train_batch_size 8"),
+        doc="at least 1"),
+    Row("gradient_accumulation_steps", "settings", _positive_count("batches", "--gradient_accumulation_steps 1"),
+        doc="at least 1"),
     Row("model_name_or_path", "settings", _model, local=True,
         doc="a model directory here, or a Hub id that is cached or on a reachable Hub"),
     Row("dataset_name", "settings", _dataset, local=True,

@@ -17,6 +17,10 @@ from .inputs import DataShape, Facts, InputError, InputProblem, config_path, jud
 from .rewards import reward_name_problem
 
 
+# The settings of the trainer config judged at the "settings" stage (`inputs.INPUT_CHECKS`).
+SETTINGS_JUDGED = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps")
+
+
 def check_argv(argv: Sequence[str]) -> None:
     """The `"argv"` stage: the `--config` file, before TRL's parser opens it.
 
@@ -57,7 +61,8 @@ def settings_problems(
         dataset=places.observe(dataset, "dataset", online) if dataset and not script_args.datasets else None,
         hub=access,
     )
-    values = {"learning_rate": training_args.learning_rate, "model_name_or_path": model, "dataset_name": dataset}
+    values = {name: getattr(training_args, name) for name in SETTINGS_JUDGED}
+    values.update(model_name_or_path=model, dataset_name=dataset)
     return judge("settings", values, facts)
 
 
