@@ -36,3 +36,15 @@ def test_a_batch_size_below_one_before_any_model(flag, value, tmp_path, capsys):
     config.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\n")
     assert cli(["check", "--trainer", "dpo", "--config", str(config), f"--{flag}", value]) == 2
     assert f"`{flag}={int(value)}` is not a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, fragment",
+    [("no_such_module_xyz:reward", "Could not import module `no_such_module_xyz`"),
+     ("safe_trainers.scripts.rewards:nothing_here", "has no callable `nothing_here`")],
+)  # fmt: skip
+def test_a_reward_path_that_does_not_resolve(name, fragment, tmp_path, capsys):
+    # was: the same text inside a ValueError traceback (the form is fine, so the start-up name check let it through)
+    message = refused(capsys, "grpo", ["--reward_funcs", name, "--output_dir", str(tmp_path / "out")])
+    assert fragment in message and f"{name!r} in `reward_funcs`" in message
+    assert not (tmp_path / "out" / "toy-model").exists()  # before any data or weight
