@@ -136,10 +136,10 @@ def _model(name: str | None, facts: Facts) -> Verdict:
     place = facts.model
     if not name or place is None:
         return None
-    saved = "the directory `save_pretrained` wrote (it holds `config.json`)"
+    saved = "the directory `save_pretrained` wrote (it holds `config.json` and the weights)"
     if place.kind == "dir":
-        return None if place.model_files else (f"is a directory without `config.json` ({place.absolute})",
-                                               f"Point it at {saved}.")  # fmt: skip
+        lacks = place.model_lacks
+        return lacks and (f"is a directory without {lacks} ({place.absolute})", f"Point it at {saved}.")
     if place.kind == "file":
         return f"is a file ({place.absolute}), not a model directory", f"Point it at {saved}."
     if not place.hub_id:

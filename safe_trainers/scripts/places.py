@@ -15,6 +15,8 @@ from typing import Literal
 
 DATA_FILE_EXTENSIONS = (".json", ".jsonl", ".parquet")  # the local files the launch scripts load (`scripts.data`)
 MODEL_FILES = ("config.json", "adapter_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # the weight files `from_pretrained` can read
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
 
 
@@ -44,6 +46,8 @@ class Place:
         absolute (`str`): the path the name means here, for messages.
         hub_id (`bool`): whether the name could be a Hub id (`org/name` or `name`, not a path form nor a data file).
         model_files (`bool`): a directory holding `config.json` or `adapter_config.json`.
+        weights (`bool`): a directory holding a weight file (`*.safetensors`, `*.bin`, ...).
+        missing_shards (`tuple[str, ...]`): the weight shards a directory's shard index names but that are not there.
         empty (`bool`): a file holding nothing but whitespace.
         cached (`bool`): a Hub id found in the local Hugging Face cache.
         on_hub (`bool`, *optional*): the Hub's answer about the id; `None` when not asked (offline, local, cached).
@@ -54,6 +58,18 @@ class Place:
     absolute: str
     hub_id: bool = False
     model_files: bool = False
+    weights: bool = False
+    missing_shards: tuple[str, ...] = ()
+
+    @property
+    def model_lacks(self) -> str | None:
+        """What a directory lacks to be loaded as a model (`config.json`, the shards its index names, any weight
+        file), or `None`."""
+        if not self.model_files:
+            return "`config.json`"
+        if self.missing_shards:
+            return f"the weight shards its index names: {list(self.missing_shards)}"
+        return None if self.weights else "`*.safetensors` or `*.bin` weights"
     empty: bool = False
     cached: bool = False
     on_hub: bool | None = None
@@ -93,7 +109,8 @@ def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> 
     hub_id = is_hub_id(name)
     if os.path.isdir(name):
         files = any(os.path.isfile(os.path.join(name, f)) for f in MODEL_FILES)
-        return Place(name, "dir", absolute, hub_id, model_files=files)
+        weights = any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(name))
+        return Place(name, "dir", absolute, hub_id, model_files=files, weights=weights, missing_shards=_shards(name))
     if os.path.isfile(name):
         return Place(name, "file", absolute, hub_id, empty=_blank(name))
     if not hub_id:
@@ -128,6 +145,22 @@ def _ask_hub(repo_id: str, repo_type: str) -> bool | None:
         return repo_exists(repo_id, repo_type=repo_type)
     except Exception:  # noqa: BLE001 - a failed lookup says nothing about the id; the loader's own error then applies
         return None
+
+
+def _shards(directory: str) -> tuple[str, ...]:
+    """The shard files that the shard indexes in `directory` name and that are not there (an unreadable index is left
+    to the loader)."""
+    import json
+
+    missing: set[str] = set()
+    for index in SHARD_INDEXES:
+        try:
+            with open(os.path.join(directory, index)) as f:
+                files = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        missing |= {file for file in files if not os.path.isfile(os.path.join(directory, file))}
+    return tuple(sorted(missing))
 
 
 def _blank(path: str, chunk: int = 1 << 16) -> bool:

@@ -4,10 +4,15 @@ by trying to break that contract; run in process through the scripts' entry poin
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 
 from safe_trainers.cli.main import main as cli
-from safe_trainers.scripts import entry
+from safe_trainers.scripts import entry, places
+from safe_trainers.scripts.inputs import Facts, judge
 
 
 def refused(capsys, kind: str, argv: list[str]) -> str:
@@ -48,3 +53,50 @@ def test_a_reward_path_that_does_not_resolve(name, fragment, tmp_path, capsys):
     message = refused(capsys, "grpo", ["--reward_funcs", name, "--output_dir", str(tmp_path / "out")])
     assert fragment in message and f"{name!r} in `reward_funcs`" in message
     assert not (tmp_path / "out" / "toy-model").exists()  # before any data or weight
+
+
+def sharded_model(toy_models, path: Path) -> Path:
+    """The toy qwen2 model saved in two safetensors shards with their index, plus its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(toy_models["qwen2"]).save_pretrained(path, max_shard_size="100KB")
+    for name in os.listdir(toy_models["qwen2"]):
+        if name.startswith("tokenizer") or name.endswith(".jinja"):
+            shutil.copy(os.path.join(toy_models["qwen2"], name), path / name)
+    assert len(list(path.glob("model-0000*-of-00002.safetensors"))) == 2
+    return path
+
+
+def test_a_model_directory_without_its_weights_before_any_model(toy_models, tmp_path, capsys):
+    # was: transformers' OSError "no file named model.safetensors, or pytorch_model.bin" in a traceback
+    model = tmp_path / "no-weights"
+    shutil.copytree(toy_models["qwen2"], model, ignore=shutil.ignore_patterns("*.safetensors"))
+    data = tmp_path / "prefs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    argv = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out")]
+    message = refused(capsys, "dpo", argv)
+    assert f"`model_name_or_path={str(model)!r}` is a directory without `*.safetensors` or `*.bin` weights" in message
+
+
+def test_a_sharded_model_with_a_shard_missing(toy_models, tmp_path, capsys):
+    # was: a traceback from the loader, after the other shards were read
+    model = sharded_model(toy_models, tmp_path / "sharded")
+    (model / "model-00002-of-00002.safetensors").unlink()
+    data = tmp_path / "prefs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    argv = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out")]
+    message = refused(capsys, "dpo", argv)
+    assert "without the weight shards its index names: ['model-00002-of-00002.safetensors']" in message
+
+
+def test_model_directories_that_load_are_not_refused(toy_models, tmp_path):
+    """No false alarm: a single-file model, a sharded one, and a LoRA adapter directory pass the model check."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path / "adapter"
+    base = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    for model in (toy_models["qwen2"], sharded_model(toy_models, tmp_path / "sharded"), adapter):
+        place = places.observe(str(model), "model", online=False)
+        assert judge("settings", {"model_name_or_path": str(model)}, Facts(model=place)) == [], model
