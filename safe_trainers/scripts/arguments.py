@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ import trl
 from trl import ModelConfig, TrlParser
 
 from . import preflight
-from .inputs import InputError, normalize_argv
+from .inputs import InputError, InputProblem, normalize_argv, raise_problems
 from .rewards import BUILTIN_REWARDS, TRL_REWARDS
 
 
@@ -118,14 +119,47 @@ def parse_args(
     argv = normalize_argv(sys.argv[1:] if argv is None else argv)  # `--learning_rate -1e-5`, `--config=x`
     preflight.check_argv(argv)
     try:
-        script_args, training_args, model_args = parser.parse_args_and_config(argv)
+        *parsed, from_config, from_command_line = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
     except InputError:
         raise
     except ValueError as error:  # a config class's own check of a setting (a user's mistake, with its message)
         raise InputError(text=str(error)) from error
+    raise_problems(unknown_settings(from_config, "in the `--config` file", parser) +
+                   unknown_settings(from_command_line, "on the command line", parser))  # fmt: skip
+    script_args, training_args, model_args = parsed
     if announce_cpu and training_args.use_cpu and not has_accelerator() and training_args.process_index == 0:
         logger.warning("safe_trainers: no GPU found, training on the CPU (`use_cpu=True`).")
     return script_args, training_args, model_args
 
 
-__all__ = ["ScriptArguments", "ScriptParser", "has_accelerator", "make_parser", "parse_args"]
+# Settings that older TRL and transformers releases named otherwise, by their old name (recipes written for those
+# releases still carry them).
+RENAMED = {"evaluation_strategy": "eval_strategy", "max_seq_length": "max_length", "torch_dtype": "dtype"}
+
+
+def unknown_settings(remaining: list[str], where: str, parser: TrlParser) -> list[InputProblem]:
+    """The settings in `remaining` (the strings the parser did not use, `where` they came from) as problems that name
+    the closest settings of this TRL version, the value received and the fix."""
+    import difflib
+
+    known = [f.name for cls in parser.dataclass_types for f in dataclasses.fields(cls)]
+    problems = []
+    for i, token in enumerate(remaining):
+        if not token.startswith("--") and i and remaining[i - 1].startswith("--") and "=" not in remaining[i - 1]:
+            continue  # the value of the setting before it
+        name, _, value = token.lstrip("-").partition("=") if token.startswith("--") else ("", "", token)
+        if not value and token.startswith("--") and i + 1 < len(remaining) and not remaining[i + 1].startswith("--"):
+            value = remaining[i + 1]
+        key = name.replace("-", "_")
+        close = [RENAMED[key]] if key in RENAMED else difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+        hint = f"Did you mean {' or '.join(f'`{c}`' for c in close)}? " if name and close else ""
+        problem = (f"is not a setting of TRL {trl.__version__} (nor of safe_trainers) {where}" if name
+                   else f"is an argument {where} that belongs to no setting")  # fmt: skip
+        fix = f"{hint}Fix the name or remove it; `{parser.help_command}` lists every setting."
+        problems.append(InputProblem(name or "argument", value, problem, fix))
+    return problems
+
+
+__all__ = ["ScriptArguments", "ScriptParser", "has_accelerator", "make_parser", "parse_args", "unknown_settings"]

@@ -100,3 +100,27 @@ def test_model_directories_that_load_are_not_refused(toy_models, tmp_path):
     for model in (toy_models["qwen2"], sharded_model(toy_models, tmp_path / "sharded"), adapter):
         place = places.observe(str(model), "model", online=False)
         assert judge("settings", {"model_name_or_path": str(model)}, Facts(model=place)) == [], model
+
+
+def test_a_misspelt_flag_names_the_setting_it_meant(tmp_path, capsys):
+    # was: "Some specified arguments are not used by the HfArgumentParser: ['--learnig_rate', '1e-5']"
+    message = refused(capsys, "dpo", ["--learnig_rate", "1e-5", "--output_dir", str(tmp_path / "out")])
+    assert "`learnig_rate='1e-5'` is not a setting of TRL" in message and "on the command line" in message
+    assert "Did you mean `learning_rate`?" in message and "`python launch/train_dpo.py --help`" in message
+
+
+def test_a_recipe_written_for_another_trl_version(tmp_path, capsys):
+    # a recipe in the style of older TRL releases: keys this TRL renamed or dropped. Was: "Unknown arguments from config
+    # file: [...]. Please remove them, add them to the dataclass, or set `fail_with_unknown_args=False`."
+    recipe = tmp_path / "sft_old.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'out'}\nmax_seq_length: 1024\nevaluation_strategy: 'no'\n"
+                      "torch_dtype: bfloat16\nlearning_rate: 2.0e-5\n")  # fmt: skip
+    message = refused(capsys, "sft", ["--config", str(recipe)])
+    assert message.startswith("train_sft: error: 3 settings need a fix:") and "dataclass" not in message
+    for old, new in [("max_seq_length", "max_length"), ("evaluation_strategy", "eval_strategy"),
+                     ("torch_dtype", "dtype")]:  # fmt: skip
+        assert f"`{old}=" in message and f"in the `--config` file. Did you mean `{new}`?" in message
+    config = tmp_path / "old_check.yaml"
+    config.write_text(recipe.read_text() + "use_cpu: true\n")
+    assert cli(["check", "--trainer", "sft", "--config", str(config)]) == 2
+    assert "Did you mean `max_length`?" in capsys.readouterr().err
