@@ -109,6 +109,8 @@ def load_error(name: str | None, error: Exception) -> InputError | None:
     if not name:
         return None
     if os.path.exists(name):
+        while error.__cause__ is not None:  # `datasets` wraps the reader's own complaint (the line, the column)
+            error = error.__cause__
         problem = f"could not be read: {type(error).__name__}: {' '.join(str(error).split())[:400]}"
         fix = "Fix the file (one JSON object per line for `.jsonl`), or pass another one."
     elif constants.HF_HUB_OFFLINE:

@@ -110,8 +110,8 @@ def test_a_misspelt_flag_names_the_setting_it_meant(tmp_path, capsys):
 
 
 def test_a_recipe_written_for_another_trl_version(tmp_path, capsys):
-    # a recipe in the style of older TRL releases: keys this TRL renamed or dropped. Was: "Unknown arguments from config
-    # file: [...]. Please remove them, add them to the dataclass, or set `fail_with_unknown_args=False`."
+    # a recipe in the style of older TRL releases: keys this TRL renamed or dropped. Was: "Unknown arguments from
+    # config file: [...]. Please remove them, add them to the dataclass, or set `fail_with_unknown_args=False`."
     recipe = tmp_path / "sft_old.yaml"
     recipe.write_text(f"output_dir: {tmp_path / 'out'}\nmax_seq_length: 1024\nevaluation_strategy: 'no'\n"
                       "torch_dtype: bfloat16\nlearning_rate: 2.0e-5\n")  # fmt: skip
@@ -124,3 +124,13 @@ def test_a_recipe_written_for_another_trl_version(tmp_path, capsys):
     config.write_text(recipe.read_text() + "use_cpu: true\n")
     assert cli(["check", "--trainer", "sft", "--config", str(config)]) == 2
     assert "Did you mean `max_length`?" in capsys.readouterr().err
+
+
+def test_a_malformed_jsonl_names_what_the_reader_found(toy_models, tmp_path, capsys):
+    # was: "could not be read: DatasetGenerationError: An error occurred while generating the dataset" (the reader's
+    # own complaint only in a log line above)
+    data = tmp_path / "prefs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"\n')
+    argv = ["--model_name_or_path", toy_models["qwen2"], "--dataset_name", str(data), "--output_dir", str(tmp_path)]
+    message = refused(capsys, "dpo", argv)
+    assert "could not be read: ArrowInvalid: JSON parse error" in message and "DatasetGenerationError" not in message
