@@ -14,7 +14,8 @@ import trl
 from trl import ModelConfig, TrlParser
 
 from . import preflight
-from .inputs import InputError, InputProblem, normalize_argv, raise_problems
+from .argv import normalize_argv
+from .inputs import InputError, InputProblem, raise_problems
 from .rewards import BUILTIN_REWARDS, TRL_REWARDS
 
 

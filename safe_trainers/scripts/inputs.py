@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .argv import config_path, join_negative_values, normalize_argv  # the `"argv"` stage's reading of the command line
 from .hub import HubAccess
 from .places import DATA_FILE_EXTENSIONS, ConfigFile, Place
 
@@ -128,6 +129,13 @@ def _positive_count(what: str, example: str) -> Callable[[Any, Facts], Verdict]:
         f"is not a positive number of {what}", f"Pass 1 or more, e.g. `{example}`.")  # fmt: skip
 
 
+def _nothing_at(place: Place, fix: str) -> tuple[str, str]:
+    if place.unexpanded_home:  # `~/x` in a YAML file or a quoted flag: nothing expands it, the loaders neither
+        return "starts with `~`, which is not expanded in a `--config` file or a quoted value", (
+            f"Write the full path, `{place.absolute}`.")  # fmt: skip
+    return f"does not exist (nothing at {place.absolute})", fix
+
+
 def _offline(facts: Facts) -> bool:
     return facts.hub is not None and not facts.hub.online
 
@@ -143,7 +151,7 @@ def _model(name: str | None, facts: Facts) -> Verdict:
     if place.kind == "file":
         return f"is a file ({place.absolute}), not a model directory", f"Point it at {saved}."
     if not place.hub_id:
-        return f"does not exist (nothing at {place.absolute})", f"Check the path, or point it at {saved}."
+        return _nothing_at(place, f"Check the path, or point it at {saved}.")
     if place.cached:
         return None
     if _offline(facts):
@@ -175,7 +183,7 @@ def _dataset(name: str | None, facts: Facts) -> Verdict:
             return f"is an empty file ({place.absolute})", "Put the training examples in it, one JSON object per line."
         return None
     if not place.hub_id:
-        return f"does not exist (nothing at {place.absolute})", f"Check the path; pass {formats}, or a Hub dataset id."
+        return _nothing_at(place, f"Check the path; pass {formats}, or a Hub dataset id.")
     if place.cached or not _offline(facts):
         return None
     return (
@@ -256,44 +264,6 @@ def judge(stage: Stage, values: dict[str, Any], facts: Facts) -> list[InputProbl
 def raise_problems(problems: Sequence[InputProblem]) -> None:
     if problems:
         raise InputError(problems)
-
-
-def join_negative_values(argv: Sequence[str]) -> list[str]:
-    """`--name -1e-5` as `--name=-1e-5`, so that a negative number after a space is read as the value, not as a flag
-    (argparse takes `-1e-5` for an option). Pure."""
-    out: list[str] = []
-    for arg in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and _is_negative_number(arg):
-            out[-1] = f"{out[-1]}={arg}"
-        else:
-            out.append(arg)
-    return out
-
-
-def _is_negative_number(text: str) -> bool:
-    if not text.startswith("-") or text.startswith("--"):
-        return False
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def normalize_argv(argv: Sequence[str]) -> list[str]:
-    """`argv` as TRL's parser reads it: `--config=x` as `--config x`, and [`join_negative_values`]. Pure."""
-    split = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
-    return join_negative_values(split)
-
-
-def config_path(argv: Sequence[str]) -> str | None:
-    """The `--config` path in `argv` (`--config x` or `--config=x`), or `None`. Pure."""
-    for i, arg in enumerate(argv):
-        if arg == "--config":
-            return argv[i + 1] if i + 1 < len(argv) else None
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 __all__ = ["DATA_COLUMNS", "DataShape", "Facts", "INPUT_CHECKS", "InputError", "InputProblem", "Row", "column_sets",

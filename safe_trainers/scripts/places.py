@@ -47,6 +47,7 @@ class Place:
         hub_id (`bool`): whether the name could be a Hub id (`org/name` or `name`, not a path form nor a data file).
         model_files (`bool`): a directory holding `config.json` or `adapter_config.json`.
         weights (`bool`): a directory holding a weight file (`*.safetensors`, `*.bin`, ...).
+        unexpanded_home (`bool`): the name starts with `~` (not expanded here) and the path it stands for exists.
         missing_shards (`tuple[str, ...]`): the weight shards a directory's shard index names but that are not there.
         empty (`bool`): a file holding nothing but whitespace.
         cached (`bool`): a Hub id found in the local Hugging Face cache.
@@ -59,6 +60,7 @@ class Place:
     hub_id: bool = False
     model_files: bool = False
     weights: bool = False
+    unexpanded_home: bool = False
     missing_shards: tuple[str, ...] = ()
 
     @property
@@ -114,7 +116,7 @@ def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> 
     if os.path.isfile(name):
         return Place(name, "file", absolute, hub_id, empty=_blank(name))
     if not hub_id:
-        return Place(name, "missing", absolute)
+        return Place(name, "missing", absolute, unexpanded_home=name.startswith("~") and os.path.exists(absolute))
     cached = in_model_cache(name) if repo_type == "model" else in_dataset_cache(name)
     on_hub = _ask_hub(name, repo_type) if online and not cached else None
     return Place(name, "missing", absolute, hub_id=True, cached=cached, on_hub=on_hub)

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import hub, places
-from .inputs import DataShape, Facts, InputError, InputProblem, config_path, judge, raise_problems
+from .argv import config_path
+from .inputs import DataShape, Facts, InputError, InputProblem, judge, raise_problems
 from .rewards import reward_name_problem
 
 

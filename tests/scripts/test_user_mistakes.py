@@ -134,3 +134,17 @@ def test_a_malformed_jsonl_names_what_the_reader_found(toy_models, tmp_path, cap
     argv = ["--model_name_or_path", toy_models["qwen2"], "--dataset_name", str(data), "--output_dir", str(tmp_path)]
     message = refused(capsys, "dpo", argv)
     assert "could not be read: ArrowInvalid: JSON parse error" in message and "DatasetGenerationError" not in message
+
+
+def test_a_home_path_in_a_config_file_is_not_said_to_be_missing(toy_models, tmp_path, monkeypatch, capsys):
+    # `~/...` in a YAML file is not expanded (by the shell, TRL's parser or the loaders). Was: "does not exist (nothing
+    # at /home/me/models/qwen2)", while the model is right there.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(toy_models["qwen2"], tmp_path / "qwen2")
+    (tmp_path / "prefs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: ~/qwen2\ndataset_name: ~/prefs.jsonl\noutput_dir: {tmp_path / 'out'}\n")
+    message = refused(capsys, "dpo", ["--config", str(config)])
+    assert "`model_name_or_path='~/qwen2'` starts with `~`, which is not expanded" in message
+    assert f"Write the full path, `{tmp_path / 'qwen2'}`." in message and "does not exist" not in message
+    assert "`dataset_name='~/prefs.jsonl'` starts with `~`" in message
