@@ -51,6 +51,7 @@ class Facts:
     dataset: Place | None = None
     hub: HubAccess | None = None
     data: DataShape | None = None
+    checkpoint: Place | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,29 @@ def _nothing_at(place: Place, fix: str) -> tuple[str, str]:
         return "starts with `~`, which is not expanded in a `--config` file or a quoted value", (
             f"Write the full path, `{place.absolute}`.")  # fmt: skip
     return f"does not exist (nothing at {place.absolute})", fix
+
+
+RESUME_LATEST = frozenset({"true", "yes", "1"})  # `--resume_from_checkpoint true`: the newest checkpoint there
+RESUME_NONE = frozenset({"", "false", "no", "0", "none"})
+
+
+def resume_target(value: str | bool | None) -> str | bool | None:
+    """What `resume_from_checkpoint` asks `train()` for: `True` (the newest checkpoint in `output_dir`) for `true`,
+    `None` for `false`, else the checkpoint path. The command line and a YAML file give a string, which transformers
+    would take for a path (`true` included). Pure."""
+    if not isinstance(value, str):
+        return value or None
+    key = value.strip().lower()
+    return True if key in RESUME_LATEST else None if key in RESUME_NONE else value
+
+
+def _checkpoint(value: str | bool | None, facts: Facts) -> Verdict:
+    place = facts.checkpoint
+    if not isinstance(resume_target(value), str) or place is None or place.kind == "dir":
+        return None
+    what = "nothing at" if place.kind == "missing" else "a file at"
+    fix = "Point it at a `checkpoint-<step>` folder the trainer wrote, or pass `--resume_from_checkpoint true` for"
+    return f"is not a checkpoint directory ({what} {place.absolute})", f"{fix} the newest one in `output_dir`."
 
 
 def _offline(facts: Facts) -> bool:
@@ -239,6 +263,7 @@ INPUT_CHECKS: tuple[Row, ...] = (
         doc="at least 1"),
     Row("gradient_accumulation_steps", "settings", _positive_count("batches", "--gradient_accumulation_steps 1"),
         doc="at least 1"),
+    Row("resume_from_checkpoint", "settings", _checkpoint, local=True, doc="`true`, `false` or a checkpoint folder"),
     Row("model_name_or_path", "settings", _model, local=True,
         doc="a model directory here, or a Hub id that is cached or on a reachable Hub"),
     Row("dataset_name", "settings", _dataset, local=True,
@@ -267,4 +292,5 @@ def raise_problems(problems: Sequence[InputProblem]) -> None:
 
 
 __all__ = ["DATA_COLUMNS", "DataShape", "Facts", "INPUT_CHECKS", "InputError", "InputProblem", "Row", "column_sets",
-           "config_path", "join_negative_values", "judge", "normalize_argv", "raise_problems", "render"]  # fmt: skip
+           "config_path", "join_negative_values", "judge", "normalize_argv", "raise_problems", "render",
+           "resume_target"]  # fmt: skip

@@ -122,6 +122,12 @@ def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> 
     return Place(name, "missing", absolute, hub_id=True, cached=cached, on_hub=on_hub)
 
 
+def local(name: str) -> Place:
+    """What this machine holds at the path `name` (no cache, no Hub): a directory, a file, or nothing."""
+    kind = "dir" if os.path.isdir(name) else "file" if os.path.isfile(name) else "missing"
+    return Place(name, kind, os.path.abspath(os.path.expanduser(name)))
+
+
 def in_model_cache(repo_id: str) -> bool:
     """Whether the Hugging Face cache holds a `config.json` (or an adapter's) of `repo_id`."""
     from huggingface_hub import try_to_load_from_cache
@@ -173,5 +179,5 @@ def _blank(path: str, chunk: int = 1 << 16) -> bool:
     return True
 
 
-__all__ = ["ConfigFile", "Place", "in_dataset_cache", "in_model_cache", "is_hub_id", "needs_hub", "observe",
+__all__ = ["ConfigFile", "Place", "in_dataset_cache", "in_model_cache", "is_hub_id", "local", "needs_hub", "observe",
            "read_config_file"]  # fmt: skip

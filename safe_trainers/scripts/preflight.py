@@ -19,7 +19,8 @@ from .rewards import reward_name_problem
 
 
 # The settings of the trainer config judged at the "settings" stage (`inputs.INPUT_CHECKS`).
-SETTINGS_JUDGED = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps")
+SETTINGS_JUDGED = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
+                   "resume_from_checkpoint")
 
 
 def check_argv(argv: Sequence[str]) -> None:
@@ -61,6 +62,7 @@ def settings_problems(
         model=places.observe(model, "model", online) if model else None,
         dataset=places.observe(dataset, "dataset", online) if dataset and not script_args.datasets else None,
         hub=access,
+        checkpoint=places.local(str(training_args.resume_from_checkpoint or "")),
     )
     values = {name: getattr(training_args, name) for name in SETTINGS_JUDGED}
     values.update(model_name_or_path=model, dataset_name=dataset)

@@ -12,7 +12,8 @@ import pytest
 
 from safe_trainers.cli.main import main as cli
 from safe_trainers.scripts import entry, places
-from safe_trainers.scripts.inputs import Facts, judge
+from safe_trainers.scripts.inputs import Facts, judge, resume_target
+from safe_trainers.scripts.launch import main
 
 
 def refused(capsys, kind: str, argv: list[str]) -> str:
@@ -148,3 +149,31 @@ def test_a_home_path_in_a_config_file_is_not_said_to_be_missing(toy_models, tmp_
     assert "`model_name_or_path='~/qwen2'` starts with `~`, which is not expanded" in message
     assert f"Write the full path, `{tmp_path / 'qwen2'}`." in message and "does not exist" not in message
     assert "`dataset_name='~/prefs.jsonl'` starts with `~`" in message
+
+
+def test_resume_from_a_checkpoint_that_does_not_exist_before_any_model(tmp_path, capsys):
+    # was: transformers' "Can't find a valid checkpoint at ..." in a traceback, after the model loaded
+    out = str(tmp_path / "out")
+    message = refused(capsys, "dpo", ["--resume_from_checkpoint", f"{out}/checkpoint-500", "--output_dir", out])
+    assert "`resume_from_checkpoint=" in message and "is not a checkpoint directory (nothing at" in message
+    assert "`--resume_from_checkpoint true`" in message
+    assert not (tmp_path / "out" / "toy-model").exists()
+
+
+@pytest.mark.parametrize("value, target", [("true", True), ("True", True), ("false", None), ("ckpt/checkpoint-5",
+                                            "ckpt/checkpoint-5"), (None, None), (True, True)])  # fmt: skip
+def test_resume_true_on_the_command_line_means_the_newest_checkpoint(value, target):
+    # was: `--resume_from_checkpoint true` reached `train()` as the string "true" (a traceback: "Can't find a valid
+    # checkpoint at true")
+    assert resume_target(value) == target
+    if not isinstance(target, str):  # not a path: nothing to look for
+        assert judge("settings", {"resume_from_checkpoint": value}, Facts(checkpoint=places.local(str(value)))) == []
+
+
+def test_resume_true_resumes_the_newest_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    quick = ["--output_dir", str(out), "--save_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]
+    main("dpo", [*quick, "--max_steps", "2"])
+    shutil.rmtree(out / "checkpoint-1")  # a run started over would write it again
+    trainer = main("dpo", [*quick, "--max_steps", "3", "--resume_from_checkpoint", "true"])
+    assert trainer.state.global_step == 3 and (out / "checkpoint-3").is_dir() and not (out / "checkpoint-1").exists()
