@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..kinds import get_kind
 from ..testing import toy
+from .inputs import InputError
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -23,7 +24,7 @@ def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
     JSONL or Parquet file (its rows form split `split`), a `save_to_disk` folder, or any folder `load_dataset` reads.
     A `datasets:` mixture ([`~trl.DatasetMixtureConfig`]) wins over `dataset_name`, as in TRL's scripts. With neither,
     the deterministic toy dataset for `kind`."""
-    from datasets import DatasetDict, load_dataset, load_from_disk  # imported on use: `safe-trainers check` loads no data
+    from datasets import DatasetDict, load_dataset, load_from_disk  # on use: `safe-trainers check` loads no data
 
     get_kind(kind)
     if script_args.datasets:  # a `datasets:` mixture, loaded as TRL's scripts load it
@@ -34,8 +35,8 @@ def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
     extension = os.path.splitext(name)[1].lower()
     if os.path.isfile(name):
         if extension not in DATA_FILE_BUILDERS:
-            raise ValueError(
-                f"`dataset_name={name!r}` is a file with an unsupported extension {extension!r}. Use a "
+            raise InputError(
+                text=f"`dataset_name={name!r}` is a file with an unsupported extension {extension!r}. Use a "
                 f"{', '.join(DATA_FILE_BUILDERS)} file, a `save_to_disk` folder or a dataset id."
             )
         return load_dataset(DATA_FILE_BUILDERS[extension], data_files={split: name}, split=split)
@@ -43,8 +44,8 @@ def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
         dataset = load_from_disk(name)
         if isinstance(dataset, DatasetDict):
             if split not in dataset:
-                raise ValueError(
-                    f"The dataset saved at {name!r} has no split {split!r}; its splits are {list(dataset)}. Set "
+                raise InputError(
+                    text=f"The dataset saved at {name!r} has no split {split!r}; its splits are {list(dataset)}. Set "
                     "`dataset_train_split` (or `dataset_test_split`) to one of them."
                 )
             return dataset[split]
@@ -57,9 +58,10 @@ def _mixture_split(script_args: ScriptArguments, split: str) -> Dataset:
 
     mixture = trl.get_dataset(script_args)
     if split not in mixture:
-        raise ValueError(
-            f"The `datasets` mixture has no split {split!r}; its splits are {list(mixture)}. Set `dataset_train_split` "
-            "(or `dataset_test_split`) to one of them, or `test_split_size` to split off a test set."
+        raise InputError(
+            text=f"The `datasets` mixture has no split {split!r}; its splits are {list(mixture)}. Set "
+            "`dataset_train_split` (or `dataset_test_split`) to one of them, or `test_split_size` to split off a test "
+            "set."
         )
     return mixture[split]
 

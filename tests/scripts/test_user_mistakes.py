@@ -177,3 +177,16 @@ def test_resume_true_resumes_the_newest_checkpoint(tmp_path):
     shutil.rmtree(out / "checkpoint-1")  # a run started over would write it again
     trainer = main("dpo", [*quick, "--max_steps", "3", "--resume_from_checkpoint", "true"])
     assert trainer.state.global_step == 3 and (out / "checkpoint-3").is_dir() and not (out / "checkpoint-1").exists()
+
+
+def test_a_split_the_saved_dataset_does_not_have(toy_models, tmp_path, capsys):
+    # was: the same text inside a ValueError traceback
+    from datasets import DatasetDict
+
+    from safe_trainers.testing.toy import dataset_for
+
+    DatasetDict(train=dataset_for("dpo")).save_to_disk(str(tmp_path / "prefs"))
+    argv = ["--model_name_or_path", toy_models["qwen2"], "--dataset_name", str(tmp_path / "prefs"),
+            "--dataset_train_split", "training", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    message = refused(capsys, "dpo", argv)
+    assert "has no split 'training'; its splits are ['train']" in message and "`dataset_train_split`" in message
