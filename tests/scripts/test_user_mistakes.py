@@ -4,6 +4,7 @@ by trying to break that contract; run in process through the scripts' entry poin
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -190,3 +191,46 @@ def test_a_split_the_saved_dataset_does_not_have(toy_models, tmp_path, capsys):
             "--dataset_train_split", "training", "--output_dir", str(tmp_path / "out")]  # fmt: skip
     message = refused(capsys, "dpo", argv)
     assert "has no split 'training'; its splits are ['train']" in message and "`dataset_train_split`" in message
+
+
+EVAL = ["--eval_strategy", "steps", "--eval_steps", "1"]
+
+
+def test_evaluation_on_a_single_file_is_not_the_training_rows(toy_models, prefs_file, tmp_path, capsys):
+    # was: exit 0, with the "eval" metrics computed on the training rows (the file served every split name)
+    argv = ["--model_name_or_path", toy_models["qwen2"], "--dataset_name", prefs_file, *EVAL, "--output_dir",
+            str(tmp_path / "out")]  # fmt: skip
+    message = refused(capsys, "dpo", argv)
+    assert "holds one split, read as the training split 'train', so it has no split 'test'" in message
+    assert "`--eval_strategy no`" in message and "`--dataset_test_split train`" in message
+
+
+def test_a_folder_of_data_files_without_the_test_split(toy_models, prefs_file, tmp_path, capsys):
+    # was: datasets' `ValueError: Unknown split "test"` in a traceback
+    folder = tmp_path / "data"
+    folder.mkdir()
+    shutil.copy(prefs_file, folder / "train.jsonl")
+    argv = ["--model_name_or_path", toy_models["qwen2"], "--dataset_name", str(folder), *EVAL, "--output_dir",
+            str(tmp_path / "out")]  # fmt: skip
+    message = refused(capsys, "dpo", argv)
+    assert f"The folder {str(folder)!r} has no split 'test'; its splits are ['train']" in message
+
+
+def test_a_folder_with_train_and_test_files_evaluates_on_the_test_file(toy_models, prefs_file, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    shutil.copy(prefs_file, folder / "train.jsonl")
+    shutil.copy(prefs_file, folder / "test.jsonl")
+    argv = ["--model_name_or_path", toy_models["qwen2"], "--dataset_name", str(folder), *EVAL, "--max_steps", "1",
+            "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--save_strategy", "no"]  # fmt: skip
+    trainer = main("dpo", argv)
+    assert any("eval_loss" in entry for entry in trainer.state.log_history)
+
+
+@pytest.fixture
+def prefs_file(tmp_path) -> str:
+    from safe_trainers.testing.toy import dataset_for
+
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in dataset_for("dpo").to_list()))
+    return str(path)
