@@ -234,3 +234,12 @@ def prefs_file(tmp_path) -> str:
     path = tmp_path / "prefs.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in dataset_for("dpo").to_list()))
     return str(path)
+
+
+def test_lora_target_modules_the_model_does_not_have(toy_models, prefs_file, tmp_path, capsys):
+    # was: peft's NoMatchingPeftModuleError in a traceback (judged when the model is loaded: the earliest it can be)
+    argv = ["--model_name_or_path", toy_models["qwen2"], "--dataset_name", prefs_file, "--use_peft",
+            "--lora_target_modules", "nope_proj", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    message = refused(capsys, "dpo", argv)
+    assert "Target modules nope_proj not found in the base model" in message
+    assert "`--lora_target_modules`" in message and "`all-linear`" in message
