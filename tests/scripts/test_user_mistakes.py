@@ -243,3 +243,19 @@ def test_lora_target_modules_the_model_does_not_have(toy_models, prefs_file, tmp
     message = refused(capsys, "dpo", argv)
     assert "Target modules nope_proj not found in the base model" in message
     assert "`--lora_target_modules`" in message and "`all-linear`" in message
+
+
+def test_a_reward_model_directory_without_weights_before_any_model(toy_models, tmp_path, capsys):
+    # was: transformers' OSError traceback when GRPO loaded the reward model, after the policy
+    reward_model = tmp_path / "rm"
+    shutil.copytree(toy_models["qwen2-rm"], reward_model, ignore=shutil.ignore_patterns("*.safetensors"))
+    message = refused(capsys, "grpo", ["--reward_funcs", str(reward_model), "--output_dir", str(tmp_path / "out")])
+    assert f"names the directory {str(reward_model)!r} as a reward model" in message
+    assert "without `*.safetensors` or `*.bin` weights" in message
+    assert not (tmp_path / "out" / "toy-model").exists()
+
+
+def test_a_whole_reward_model_directory_is_accepted(toy_models):
+    from safe_trainers.scripts import preflight
+
+    preflight.check_reward_names([toy_models["qwen2-rm"], "count_words"])  # no false alarm: raises nothing
