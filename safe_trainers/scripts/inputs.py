@@ -113,6 +113,10 @@ def _config_file(path: str, facts: Facts) -> Verdict:
         "missing": ("names no file (looked from the current directory)", f"Check the path. {example}."),
         "directory": ("is a directory, not a YAML file", f"{example}."),
         "not_mapping": ("does not hold a mapping of settings (`name: value` lines)", f"{example}."),
+        "accelerate": ("is an accelerate config, not the trainer's settings",
+                       f"Give it to the launcher, `accelerate launch --config_file {path} launch/...`. {example}."),
+        "deepspeed": ("is a DeepSpeed config, not the trainer's settings",
+                      f"Pass it as `--deepspeed {path}`. {example}."),
         "unreadable": (f"could not be read as YAML: {config.error}", "Fix the line named above."),
     }[config.state]
 

@@ -17,6 +17,9 @@ DATA_FILE_EXTENSIONS = (".json", ".jsonl", ".parquet")  # the local files the la
 MODEL_FILES = ("config.json", "adapter_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # the weight files `from_pretrained` can read
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Keys that only a launcher's config has: `accelerate config` files and DeepSpeed JSON files.
+ACCELERATE_KEYS = frozenset({"compute_environment", "distributed_type"})
+DEEPSPEED_KEYS = frozenset({"zero_optimization", "train_micro_batch_size_per_gpu"})
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
 
 
@@ -26,13 +29,14 @@ class ConfigFile:
 
     Args:
         path (`str`): the path given.
-        state (`str`): `"mapping"` (readable, a mapping of settings), `"missing"`, `"directory"`, `"not_mapping"` or
+        state (`str`): `"mapping"` (readable, a mapping of settings), `"missing"`, `"directory"`, `"not_mapping"`,
+            `"accelerate"` or `"deepspeed"` (a launcher's config given where the trainer's settings belong), or
             `"unreadable"` (a YAML syntax or read error, in `error`).
         error (`str`): the reader's complaint, for `"unreadable"`.
     """
 
     path: str
-    state: Literal["mapping", "missing", "directory", "not_mapping", "unreadable"]
+    state: Literal["mapping", "missing", "directory", "not_mapping", "accelerate", "deepspeed", "unreadable"]
     error: str = ""
 
 
@@ -101,6 +105,8 @@ def read_config_file(path: str) -> ConfigFile:
             data = yaml.safe_load(f)
     except (OSError, yaml.YAMLError) as error:
         return ConfigFile(path, "unreadable", " ".join(str(error).split()))
+    if isinstance(data, dict) and (data.keys() & ACCELERATE_KEYS or data.keys() & DEEPSPEED_KEYS):
+        return ConfigFile(path, "accelerate" if data.keys() & ACCELERATE_KEYS else "deepspeed")
     return ConfigFile(path, "mapping" if isinstance(data, dict) or data is None else "not_mapping")
 
 

@@ -17,6 +17,9 @@ from safe_trainers.scripts.inputs import Facts, judge, resume_target
 from safe_trainers.scripts.launch import main
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 def refused(capsys, kind: str, argv: list[str]) -> str:
     """Run `launch/train_<kind>.py <argv>` in process: it must exit 2 with one `train_<kind>: error:` message, which
     is returned."""
@@ -259,3 +262,23 @@ def test_a_whole_reward_model_directory_is_accepted(toy_models):
     from safe_trainers.scripts import preflight
 
     preflight.check_reward_names([toy_models["qwen2-rm"], "count_words"])  # no false alarm: raises nothing
+
+
+@pytest.mark.parametrize(
+    "config, fragment",
+    [("configs/accelerate/multi_gpu.yaml", "is an accelerate config, not the trainer's settings"),
+     ("configs/deepspeed/zero2.json", "is a DeepSpeed config, not the trainer's settings")],
+)  # fmt: skip
+def test_a_launchers_config_given_as_the_trainers(config, fragment, tmp_path, capsys):
+    # was: "Your setup doesn't support bf16/gpu" (the accelerate file's `use_cpu: false`), or "invalid int value:
+    # 'auto'" (DeepSpeed's `"auto"`): neither said which file was wrong
+    path = str(ROOT / config)
+    message = refused(capsys, "dpo", ["--config", path, "--output_dir", str(tmp_path / "out")])
+    assert f"`config={path!r}` {fragment}" in message
+    assert ("--config_file" if "accelerate" in config else f"`--deepspeed {path}`") in message
+    assert cli(["check", "--trainer", "dpo", "--config", path]) == 2 and fragment in capsys.readouterr().err
+
+
+def test_shipped_trainer_configs_are_trainer_configs():
+    for path in sorted((ROOT / "configs" / "trainers").glob("*.yaml")):  # no false alarm on the shipped ones
+        assert places.read_config_file(str(path)).state == "mapping", path
