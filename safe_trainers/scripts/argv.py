@@ -1,6 +1,6 @@
 """The command line of the launch scripts and `safe-trainers check` as TRL's parser reads it: a negative number after
-a space as the value, `--config=x` as `--config x`, and the `--config` path (pure functions; the `"argv"` stage of
-[`~safe_trainers.scripts.inputs`])."""
+a space as the value, `--config=x` as `--config x`, the `--config` path and other flag values, and what a
+`--resume_from_checkpoint` string means (pure functions; the `"argv"` stage of [`~safe_trainers.scripts.inputs`])."""
 
 from __future__ import annotations
 
@@ -45,4 +45,29 @@ def config_path(argv: Sequence[str]) -> str | None:
     return None
 
 
-__all__ = ["config_path", "join_negative_values", "normalize_argv"]
+def flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of the last `--<name> x` or `--<name>=x` in `argv` (argparse keeps the last), or `None`. Pure."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(f"--{name}="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+RESUME_LATEST = frozenset({"true", "yes", "1"})  # `--resume_from_checkpoint true`: the newest checkpoint there
+RESUME_NONE = frozenset({"", "false", "no", "0", "none"})
+
+
+def resume_target(value: str | bool | None) -> str | bool | None:
+    """What `resume_from_checkpoint` asks `train()` for: `True` (the newest checkpoint in `output_dir`) for `true`,
+    `None` for `false`, else the checkpoint path. The command line and a YAML file give a string, which transformers
+    would take for a path (`true` included). Pure."""
+    if not isinstance(value, str):
+        return value or None
+    key = value.strip().lower()
+    return True if key in RESUME_LATEST else None if key in RESUME_NONE else value
+
+
+__all__ = ["config_path", "flag_value", "join_negative_values", "normalize_argv", "resume_target"]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .argv import config_path, join_negative_values, normalize_argv  # the `"argv"` stage's reading of the command line
+from .argv import config_path, join_negative_values, normalize_argv, resume_target  # the command line, re-exported
 from .hub import HubAccess
 from .places import DATA_FILE_EXTENSIONS, ConfigFile, Place
 
@@ -52,6 +52,7 @@ class Facts:
     hub: HubAccess | None = None
     data: DataShape | None = None
     checkpoint: Place | None = None
+    deepspeed: ConfigFile | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,16 @@ def _config_file(path: str, facts: Facts) -> Verdict:
     }[config.state]
 
 
+def _deepspeed_file(path: str, facts: Facts) -> Verdict:
+    found = facts.deepspeed
+    if found is None or found.state in ("mapping", "deepspeed"):
+        return None
+    return {"missing": "names no file (looked from the current directory)", "directory": "is a directory, not a file",
+            "unreadable": f"could not be read as JSON: {found.error}", "not_mapping": "does not hold a JSON object",
+            "accelerate": "is an accelerate config, not a DeepSpeed config"}[found.state], (
+        "Pass a DeepSpeed JSON file, e.g. `--deepspeed configs/deepspeed/zero2.json`.")  # fmt: skip
+
+
 def _learning_rate(value: float, facts: Facts) -> Verdict:
     if value is None or (math.isfinite(value) and value >= 0):
         return None
@@ -139,20 +150,6 @@ def _nothing_at(place: Place, fix: str) -> tuple[str, str]:
         return "starts with `~`, which is not expanded in a `--config` file or a quoted value", (
             f"Write the full path, `{place.absolute}`.")  # fmt: skip
     return f"does not exist (nothing at {place.absolute})", fix
-
-
-RESUME_LATEST = frozenset({"true", "yes", "1"})  # `--resume_from_checkpoint true`: the newest checkpoint there
-RESUME_NONE = frozenset({"", "false", "no", "0", "none"})
-
-
-def resume_target(value: str | bool | None) -> str | bool | None:
-    """What `resume_from_checkpoint` asks `train()` for: `True` (the newest checkpoint in `output_dir`) for `true`,
-    `None` for `false`, else the checkpoint path. The command line and a YAML file give a string, which transformers
-    would take for a path (`true` included). Pure."""
-    if not isinstance(value, str):
-        return value or None
-    key = value.strip().lower()
-    return True if key in RESUME_LATEST else None if key in RESUME_NONE else value
 
 
 def _checkpoint(value: str | bool | None, facts: Facts) -> Verdict:
@@ -262,6 +259,7 @@ def _columns(name: str | None, facts: Facts) -> Verdict:
 
 INPUT_CHECKS: tuple[Row, ...] = (
     Row("config", "argv", _config_file, doc="the YAML file exists and holds a mapping of settings"),
+    Row("deepspeed", "argv", _deepspeed_file, doc="a `.json` path names a readable DeepSpeed JSON file"),
     Row("learning_rate", "settings", _learning_rate, doc="a finite number >= 0"),
     Row("per_device_train_batch_size", "settings", _positive_count("examples", "--per_device_train_batch_size 8"),
         doc="at least 1"),

@@ -22,7 +22,7 @@ from ..testing import toy
 from . import preflight
 from .arguments import ScriptArguments, has_accelerator, make_parser, parse_args
 from .data import load_checked_split, load_split, load_train_dataset
-from .inputs import resume_target
+from .argv import resume_target
 from .rewards import load_reward_funcs
 
 

@@ -110,6 +110,15 @@ def read_config_file(path: str) -> ConfigFile:
     return ConfigFile(path, "mapping" if isinstance(data, dict) or data is None else "not_mapping")
 
 
+def config_value(path: str, key: str) -> object:
+    """The value of `key` in the YAML file at `path` (a mapping, see [`read_config_file`]), or `None`."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    return data.get(key) if isinstance(data, dict) else None
+
+
 def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> Place:
     """What this machine holds under `name`; the Hub is asked only for a Hub id that is not here and not cached, and
     only when `online`."""
@@ -185,5 +194,5 @@ def _blank(path: str, chunk: int = 1 << 16) -> bool:
     return True
 
 
-__all__ = ["ConfigFile", "Place", "in_dataset_cache", "in_model_cache", "is_hub_id", "local", "needs_hub", "observe",
-           "read_config_file"]  # fmt: skip
+__all__ = ["ConfigFile", "Place", "config_value", "in_dataset_cache", "in_model_cache", "is_hub_id", "local",
+           "needs_hub", "observe", "read_config_file"]  # fmt: skip

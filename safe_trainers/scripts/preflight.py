@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import hub, places
-from .argv import config_path
+from .argv import config_path, flag_value
 from .inputs import DataShape, Facts, InputError, InputProblem, judge, raise_problems
 from .rewards import reward_name_problem
 
@@ -24,15 +24,22 @@ SETTINGS_JUDGED = ("learning_rate", "per_device_train_batch_size", "gradient_acc
 
 
 def check_argv(argv: Sequence[str]) -> None:
-    """The `"argv"` stage: the `--config` file, before TRL's parser opens it.
+    """The `"argv"` stage: the `--config` file, before TRL's parser opens it, and the `--deepspeed` JSON file it or
+    the command line names, before transformers reads it.
 
     Raises:
-        InputError: when the file is missing, a directory, not YAML, or not a mapping of settings.
+        InputError: when a file is missing, a directory, unreadable, or not a mapping of settings.
     """
     path = config_path(argv)
-    if path is None:
-        return
-    raise_problems(judge("argv", {"config": path}, Facts(config=places.read_config_file(path))))
+    config = places.read_config_file(path) if path is not None else None
+    deepspeed = flag_value(argv, "deepspeed")
+    if deepspeed is None and config is not None and config.state == "mapping":
+        deepspeed = places.config_value(path, "deepspeed")
+    values: dict[str, Any] = {"config": path} if path is not None else {}
+    ds_file = None
+    if isinstance(deepspeed, str) and deepspeed.lower().endswith(".json"):  # not a dict nor base64 JSON
+        values["deepspeed"], ds_file = deepspeed, places.read_config_file(deepspeed)
+    raise_problems(judge("argv", values, Facts(config=config, deepspeed=ds_file)))
 
 
 def hub_names(script_args: Any, model_args: Any) -> list[str]:

@@ -282,3 +282,30 @@ def test_a_launchers_config_given_as_the_trainers(config, fragment, tmp_path, ca
 def test_shipped_trainer_configs_are_trainer_configs():
     for path in sorted((ROOT / "configs" / "trainers").glob("*.yaml")):  # no false alarm on the shipped ones
         assert places.read_config_file(str(path)).state == "mapping", path
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [(None, "names no file"), ("{bad", "could not be read as JSON"),
+     ("compute_environment: LOCAL_MACHINE\n", "is an accelerate config, not a DeepSpeed config")],
+)  # fmt: skip
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_a_deepspeed_file_that_cannot_be_read(content, fragment, where, tmp_path, capsys):
+    # was: transformers' "Expected a string path to an existing deepspeed config ..." or json's bare "Expecting
+    # property name enclosed in double quotes: line 1 column 2 (char 1)", naming neither the setting nor the file
+    ds = tmp_path / "ds.json"
+    if content is not None:
+        ds.write_text(content)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\n" + (f"deepspeed: {ds}\n" if where == "config file" else ""))
+    argv = ["--config", str(config), *(["--deepspeed", str(ds)] if where == "command line" else [])]
+    message = refused(capsys, "dpo", argv)
+    assert f"`deepspeed={str(ds)!r}` {fragment}" in message and "`--deepspeed configs/deepspeed/zero2.json`" in message
+    assert cli(["check", "--trainer", "dpo", *argv]) == 2 and fragment in capsys.readouterr().err
+
+
+def test_the_shipped_deepspeed_files_are_read(capsys):
+    from safe_trainers.scripts import preflight
+
+    for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):  # no false alarm
+        preflight.check_argv(["--deepspeed", str(path)])
