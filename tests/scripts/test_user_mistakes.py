@@ -304,7 +304,7 @@ def test_a_deepspeed_file_that_cannot_be_read(content, fragment, where, tmp_path
     assert cli(["check", "--trainer", "dpo", *argv]) == 2 and fragment in capsys.readouterr().err
 
 
-def test_the_shipped_deepspeed_files_are_read(capsys):
+def test_the_shipped_deepspeed_files_are_read():
     from safe_trainers.scripts import preflight
 
     for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):  # no false alarm
