@@ -224,7 +224,8 @@ def run(
 
     Returns:
         `int`: the command's exit code (128 + N when killed by signal N); 0 for `dry_run` (the command is printed to
-        stdout with `shlex.join`); 1 when a rule blocks it; 2 when it cannot be read; 127 when the launcher is missing.
+        stdout with `shlex.join`); 1 when a rule blocks it; 2 when it cannot be read; 127 when the launcher is
+        missing, 126 when it cannot be executed (the shell's codes).
     """
     out, err = stdout or sys.stdout, stderr or sys.stderr
     if "bf16_supported" not in kwargs:
@@ -251,6 +252,12 @@ def run(
     except FileNotFoundError:
         print(f"safe-trainers openrlhf: error: `{result.argv[0]}` was not found on PATH; nothing was run.", file=err)
         return 127
+    except PermissionError:  # a job script without its executable bit, or a directory
+        launcher = result.argv[0]
+        print(f"safe-trainers openrlhf: error: `{launcher}` cannot be executed (permission denied): make it "
+              f"executable (`chmod +x {launcher}`) or name its interpreter first; nothing was run.",
+              file=err)  # fmt: skip
+        return 126
     except KeyboardInterrupt:
         return 130
     code = int(completed.returncode)

@@ -1,17 +1,19 @@
-"""Keys of a `--config` file that no setting of the launch reads: renamed or removed upstream (a recipe written for an
-older TRL or transformers), read by another project's script (open-r1's), or misspelled.
+"""Settings that no dataclass of the launch reads, in the `--config` file or on the command line: renamed or removed
+upstream (a recipe written for an older TRL or transformers), read by another project's script (open-r1's), or
+misspelled.
 
 TRL's parser refuses them in one list ("Unknown arguments from config file: [...]. Please remove them, add them to the
-dataclass, or set `fail_with_unknown_args=False`"), which tells a user of a published recipe neither what each key
-became nor what to do. Here each one gets its own line: the key, what happened to it, and the fix. A key is judged
-only when none of the launch's dataclasses has it, so a name an installed release still reads is never reported.
+dataclass, or set `fail_with_unknown_args=False"`; on the command line, "Some specified arguments are not used by the
+HfArgumentParser"), which tells a user of a published recipe neither what each key became nor what to do. Here each
+one gets its own line: the setting, where it came from, what happened to it, and the fix. A name is judged only when
+none of the launch's dataclasses has it, so a setting an installed release still reads is never reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,14 +35,15 @@ RETIRED: dict[str, Retired] = {
     "max_seq_length": Retired("max_length", "was renamed `max_length` by TRL", "Rename it `max_length`."),
     "use_liger": Retired("use_liger_kernel", "was renamed `use_liger_kernel` by TRL", "Rename it `use_liger_kernel`."),
     "rloo_k": Retired("num_generations", "was renamed `num_generations` by TRL", "Rename it `num_generations`."),
-    "evaluation_strategy": Retired("eval_strategy", "was renamed `eval_strategy` by transformers",
-                                   "Rename it `eval_strategy`."),  # fmt: skip
+    "evaluation_strategy": Retired(
+        "eval_strategy", "was renamed `eval_strategy` by transformers", "Rename it `eval_strategy`."
+    ),
     "no_cuda": Retired("use_cpu", "was replaced by `use_cpu` in transformers", "Write `use_cpu: true` instead."),
     "max_prompt_length": Retired(
         None,
         "was removed by TRL",
-        "Remove it: the DPO, KTO, SFT and reward configs bound the whole sequence with `max_length`; GRPO and RLOO keep "
-        "prompts whole (drop over-long prompts from the dataset).",
+        "Remove it: the DPO, KTO, SFT and reward configs bound the whole sequence with `max_length`; GRPO and RLOO "
+        "keep prompts whole (drop over-long prompts from the dataset).",
     ),
     "max_completion_length": Retired(
         None,
@@ -77,30 +80,56 @@ def field_names(dataclass_types: Iterable[type]) -> frozenset[str]:
     return frozenset(f.name for cls in dataclass_types for f in dataclasses.fields(cls))
 
 
-def unknown_key_problems(settings: Mapping[str, Any], known: frozenset[str], versions: str) -> list[InputProblem]:
-    """The problems of the config file's keys that no setting reads, one per key, in file order. Pure.
+def unknown_key_problems(
+    settings: Mapping[str, Any], known: frozenset[str], versions: str, where: str = "in the `--config` file",
+    help_command: str | None = None,
+) -> list[InputProblem]:  # fmt: skip
+    """The problems of the settings no dataclass reads, one per name, in the order given. Pure.
 
     Args:
-        settings (`Mapping[str, Any]`): the `--config` file's top-level mapping.
+        settings (`Mapping[str, Any]`): the settings given, by name (the `--config` file's top-level mapping, or the
+            command line's leftovers, see [`leftover_settings`]).
         known (`frozenset[str]`): the settings of the launch (see [`field_names`]).
         versions (`str`): the installed releases, as the messages name them (`"TRL 1.16.0, transformers 5.23.0"`).
+        where (`str`): where the settings came from, as the messages say it.
+        help_command (`str`, *optional*): the command that lists every setting, named in the fix of a misspelling.
     """
     problems = []
+    listed = f"; `{help_command}` lists every setting" if help_command else ""
     for key, value in settings.items():
         if key in known or key in PARSER_KEYS:
             continue
         retired = RETIRED.get(key)
         if retired is not None and (retired.now is None or retired.now in known):
-            verdict = f"{retired.why}: {versions} have no `{key}`", retired.fix
+            verdict = f"{where} {retired.why}: {versions} have no `{key}`", retired.fix
         elif key in OPEN_R1_SCRIPT_KEYS:
             fix = "Remove it to train with the shipped launch scripts, or run the recipe with open-r1's own script."
-            verdict = "is read by open-r1's own script, not by the shipped launch scripts", fix
+            verdict = f"{where} is read by open-r1's own script, not by the shipped launch scripts", fix
         else:
             close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
             hint = f"Did you mean `{close[0]}`? " if close else ""
-            verdict = f"is not a setting of this launch ({versions})", f"{hint}Fix the name, or remove it."
+            fix = f"{hint}Fix the name, or remove it{listed}."
+            verdict = f"{where} is not a setting of this launch ({versions})", fix
         problems.append(InputProblem(key, value, *verdict))
     return problems
 
 
-__all__ = ["OPEN_R1_SCRIPT_KEYS", "RETIRED", "Retired", "field_names", "unknown_key_problems"]
+def leftover_settings(remaining: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """The strings a parser did not use, as settings (`--name value`, `--name=value`; `None` for a flag without a
+    value, `-` in a name read as `_`) and the values that follow no setting. Pure."""
+    settings: dict[str, Any] = {}
+    stray: list[str] = []
+    name = None
+    for token in remaining:
+        if token.startswith("--"):
+            key, has_value, value = token[2:].partition("=")
+            name = None if has_value else key.replace("-", "_")
+            settings[key.replace("-", "_")] = value if has_value else None
+        elif name is not None:
+            settings[name], name = token, None
+        else:
+            stray.append(token)
+    return settings, stray
+
+
+__all__ = ["OPEN_R1_SCRIPT_KEYS", "RETIRED", "Retired", "field_names", "leftover_settings", "unknown_key_problems"]

@@ -25,11 +25,29 @@ def run(kind: str, argv: list[str] | None = None) -> None:
 
     try:
         main(kind, argv)
-    except (InputError, SafetyError) as error:
+    except (InputError, SafetyError, *upstream_mistakes()) as error:
         if is_local_main():
-            print(f"{prog(kind)}: error: {error}", file=sys.stderr, flush=True)
+            print(f"{prog(kind)}: error: {error}{UPSTREAM_FIXES.get(type(error).__name__, '')}", file=sys.stderr,
+                  flush=True)  # fmt: skip
         _leave_process_group()
         sys.exit(USAGE_ERROR)
+
+
+# Errors of the libraries that can only come from the input (a value that cannot match this model), with the fix the
+# scripts add to their message. Judged when the model is loaded, the earliest they can be.
+UPSTREAM_FIXES = {
+    "NoMatchingPeftModuleError": " Set `--lora_target_modules` to names of this model's layers (e.g. `q_proj v_proj` "
+    "for Llama or Qwen models), or `all-linear`.",
+}
+
+
+def upstream_mistakes() -> tuple[type[BaseException], ...]:
+    """The exception classes of `UPSTREAM_FIXES` that are installed."""
+    try:
+        from peft.utils.error import NoMatchingPeftModuleError
+    except ImportError:
+        return ()
+    return (NoMatchingPeftModuleError,)
 
 
 def prog(kind: str) -> str:

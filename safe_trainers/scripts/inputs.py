@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .argv import config_path, join_negative_values, normalize_argv, resume_target  # the command line, re-exported
 from .hub import HubAccess
 from .places import DATA_FILE_EXTENSIONS, ConfigFile, Place
 
@@ -50,6 +51,8 @@ class Facts:
     dataset: Place | None = None
     hub: HubAccess | None = None
     data: DataShape | None = None
+    checkpoint: Place | None = None
+    deepspeed: ConfigFile | None = None
 
 
 @dataclass(frozen=True)
@@ -111,8 +114,22 @@ def _config_file(path: str, facts: Facts) -> Verdict:
         "missing": ("names no file (looked from the current directory)", f"Check the path. {example}."),
         "directory": ("is a directory, not a YAML file", f"{example}."),
         "not_mapping": ("does not hold a mapping of settings (`name: value` lines)", f"{example}."),
+        "accelerate": ("is an accelerate config, not the trainer's settings",
+                       f"Give it to the launcher, `accelerate launch --config_file {path} launch/...`. {example}."),
+        "deepspeed": ("is a DeepSpeed config, not the trainer's settings",
+                      f"Pass it as `--deepspeed {path}`. {example}."),
         "unreadable": (f"could not be read as YAML: {config.error}", "Fix the line named above."),
     }[config.state]
+
+
+def _deepspeed_file(path: str, facts: Facts) -> Verdict:
+    found = facts.deepspeed
+    if found is None or found.state in ("mapping", "deepspeed"):
+        return None
+    return {"missing": "names no file (looked from the current directory)", "directory": "is a directory, not a file",
+            "unreadable": f"could not be read as JSON: {found.error}", "not_mapping": "does not hold a JSON object",
+            "accelerate": "is an accelerate config, not a DeepSpeed config"}[found.state], (
+        "Pass a DeepSpeed JSON file, e.g. `--deepspeed configs/deepspeed/zero2.json`.")  # fmt: skip
 
 
 def _learning_rate(value: float, facts: Facts) -> Verdict:
@@ -120,6 +137,28 @@ def _learning_rate(value: float, facts: Facts) -> Verdict:
         return None
     problem = "is negative" if math.isfinite(value) else "is not a finite number"
     return problem, "Pass a positive step size, e.g. `--learning_rate 1e-5` (or `--learning_rate=1e-5`)."
+
+
+def _positive_count(what: str, example: str) -> Callable[[Any, Facts], Verdict]:
+    """A judge of a count that must be at least 1: `what` it counts, and an `example` flag with a good value."""
+    return lambda value, facts: None if value is None or value >= 1 else (
+        f"is not a positive number of {what}", f"Pass 1 or more, e.g. `{example}`.")  # fmt: skip
+
+
+def _nothing_at(place: Place, fix: str) -> tuple[str, str]:
+    if place.unexpanded_home:  # `~/x` in a YAML file or a quoted flag: nothing expands it, the loaders neither
+        return "starts with `~`, which is not expanded in a `--config` file or a quoted value", (
+            f"Write the full path, `{place.absolute}`.")  # fmt: skip
+    return f"does not exist (nothing at {place.absolute})", fix
+
+
+def _checkpoint(value: str | bool | None, facts: Facts) -> Verdict:
+    place = facts.checkpoint
+    if not isinstance(resume_target(value), str) or place is None or place.kind == "dir":
+        return None
+    what = "nothing at" if place.kind == "missing" else "a file at"
+    fix = "Point it at a `checkpoint-<step>` folder the trainer wrote, or pass `--resume_from_checkpoint true` for"
+    return f"is not a checkpoint directory ({what} {place.absolute})", f"{fix} the newest one in `output_dir`."
 
 
 def _offline(facts: Facts) -> bool:
@@ -130,14 +169,14 @@ def _model(name: str | None, facts: Facts) -> Verdict:
     place = facts.model
     if not name or place is None:
         return None
-    saved = "the directory `save_pretrained` wrote (it holds `config.json`)"
+    saved = "the directory `save_pretrained` wrote (it holds `config.json` and the weights)"
     if place.kind == "dir":
-        return None if place.model_files else (f"is a directory without `config.json` ({place.absolute})",
-                                               f"Point it at {saved}.")  # fmt: skip
+        lacks = place.model_lacks
+        return lacks and (f"is a directory without {lacks} ({place.absolute})", f"Point it at {saved}.")
     if place.kind == "file":
         return f"is a file ({place.absolute}), not a model directory", f"Point it at {saved}."
     if not place.hub_id:
-        return f"does not exist (nothing at {place.absolute})", f"Check the path, or point it at {saved}."
+        return _nothing_at(place, f"Check the path, or point it at {saved}.")
     if place.cached:
         return None
     if _offline(facts):
@@ -169,7 +208,7 @@ def _dataset(name: str | None, facts: Facts) -> Verdict:
             return f"is an empty file ({place.absolute})", "Put the training examples in it, one JSON object per line."
         return None
     if not place.hub_id:
-        return f"does not exist (nothing at {place.absolute})", f"Check the path; pass {formats}, or a Hub dataset id."
+        return _nothing_at(place, f"Check the path; pass {formats}, or a Hub dataset id.")
     if place.cached or not _offline(facts):
         return None
     return (
@@ -220,7 +259,13 @@ def _columns(name: str | None, facts: Facts) -> Verdict:
 
 INPUT_CHECKS: tuple[Row, ...] = (
     Row("config", "argv", _config_file, doc="the YAML file exists and holds a mapping of settings"),
+    Row("deepspeed", "argv", _deepspeed_file, doc="a `.json` path names a readable DeepSpeed JSON file"),
     Row("learning_rate", "settings", _learning_rate, doc="a finite number >= 0"),
+    Row("per_device_train_batch_size", "settings", _positive_count("examples", "--per_device_train_batch_size 8"),
+        doc="at least 1"),
+    Row("gradient_accumulation_steps", "settings", _positive_count("batches", "--gradient_accumulation_steps 1"),
+        doc="at least 1"),
+    Row("resume_from_checkpoint", "settings", _checkpoint, local=True, doc="`true`, `false` or a checkpoint folder"),
     Row("model_name_or_path", "settings", _model, local=True,
         doc="a model directory here, or a Hub id that is cached or on a reachable Hub"),
     Row("dataset_name", "settings", _dataset, local=True,
@@ -248,43 +293,6 @@ def raise_problems(problems: Sequence[InputProblem]) -> None:
         raise InputError(problems)
 
 
-def join_negative_values(argv: Sequence[str]) -> list[str]:
-    """`--name -1e-5` as `--name=-1e-5`, so that a negative number after a space is read as the value, not as a flag
-    (argparse takes `-1e-5` for an option). Pure."""
-    out: list[str] = []
-    for arg in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and _is_negative_number(arg):
-            out[-1] = f"{out[-1]}={arg}"
-        else:
-            out.append(arg)
-    return out
-
-
-def _is_negative_number(text: str) -> bool:
-    if not text.startswith("-") or text.startswith("--"):
-        return False
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def normalize_argv(argv: Sequence[str]) -> list[str]:
-    """`argv` as TRL's parser reads it: `--config=x` as `--config x`, and [`join_negative_values`]. Pure."""
-    split = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
-    return join_negative_values(split)
-
-
-def config_path(argv: Sequence[str]) -> str | None:
-    """The `--config` path in `argv` (`--config x` or `--config=x`), or `None`. Pure."""
-    for i, arg in enumerate(argv):
-        if arg == "--config":
-            return argv[i + 1] if i + 1 < len(argv) else None
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 __all__ = ["DATA_COLUMNS", "DataShape", "Facts", "INPUT_CHECKS", "InputError", "InputProblem", "Row", "column_sets",
-           "config_path", "join_negative_values", "judge", "normalize_argv", "raise_problems", "render"]  # fmt: skip
+           "config_path", "join_negative_values", "judge", "normalize_argv", "raise_problems", "render",
+           "resume_target"]  # fmt: skip

@@ -22,6 +22,7 @@ from ..testing import toy
 from . import preflight
 from .arguments import ScriptArguments, has_accelerator, make_parser, parse_args
 from .data import load_checked_split, load_split, load_train_dataset
+from .argv import resume_target
 from .rewards import load_reward_funcs
 
 
@@ -167,7 +168,7 @@ def main(kind: str, argv: list[str] | None = None) -> Trainer:
         preflight.check_reward_names(script_args.reward_funcs)
     preflight.check_settings(script_args, training_args, model_args)
     trainer = build_trainer(kind, script_args, training_args, model_args)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_target(training_args.resume_from_checkpoint))
     if trainer.is_fsdp_enabled:  # with sharded state dicts, transformers' `save_model` writes no model under FSDP
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(training_args.output_dir)

@@ -10,11 +10,16 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 DATA_FILE_EXTENSIONS = (".json", ".jsonl", ".parquet")  # the local files the launch scripts load (`scripts.data`)
 MODEL_FILES = ("config.json", "adapter_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # the weight files `from_pretrained` can read
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Keys that only a launcher's config has: `accelerate config` files and DeepSpeed JSON files.
+ACCELERATE_KEYS = frozenset({"compute_environment", "distributed_type"})
+DEEPSPEED_KEYS = frozenset({"zero_optimization", "train_micro_batch_size_per_gpu"})
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
 
 
@@ -24,13 +29,14 @@ class ConfigFile:
 
     Args:
         path (`str`): the path given.
-        state (`str`): `"mapping"` (readable, a mapping of settings), `"missing"`, `"directory"`, `"not_mapping"` or
+        state (`str`): `"mapping"` (readable, a mapping of settings), `"missing"`, `"directory"`, `"not_mapping"`,
+            `"accelerate"` or `"deepspeed"` (a launcher's config given where the trainer's settings belong), or
             `"unreadable"` (a YAML syntax or read error, in `error`).
         error (`str`): the reader's complaint, for `"unreadable"`.
     """
 
     path: str
-    state: Literal["mapping", "missing", "directory", "not_mapping", "unreadable"]
+    state: Literal["mapping", "missing", "directory", "not_mapping", "accelerate", "deepspeed", "unreadable"]
     error: str = ""
 
 
@@ -44,6 +50,9 @@ class Place:
         absolute (`str`): the path the name means here, for messages.
         hub_id (`bool`): whether the name could be a Hub id (`org/name` or `name`, not a path form nor a data file).
         model_files (`bool`): a directory holding `config.json` or `adapter_config.json`.
+        weights (`bool`): a directory holding a weight file (`*.safetensors`, `*.bin`, ...).
+        unexpanded_home (`bool`): the name starts with `~` (not expanded here) and the path it stands for exists.
+        missing_shards (`tuple[str, ...]`): the weight shards a directory's shard index names but that are not there.
         empty (`bool`): a file holding nothing but whitespace.
         cached (`bool`): a Hub id found in the local Hugging Face cache.
         on_hub (`bool`, *optional*): the Hub's answer about the id; `None` when not asked (offline, local, cached).
@@ -54,6 +63,19 @@ class Place:
     absolute: str
     hub_id: bool = False
     model_files: bool = False
+    weights: bool = False
+    unexpanded_home: bool = False
+    missing_shards: tuple[str, ...] = ()
+
+    @property
+    def model_lacks(self) -> str | None:
+        """What a directory lacks to be loaded as a model (`config.json`, the shards its index names, any weight
+        file), or `None`."""
+        if not self.model_files:
+            return "`config.json`"
+        if self.missing_shards:
+            return f"the weight shards its index names: {list(self.missing_shards)}"
+        return None if self.weights else "`*.safetensors` or `*.bin` weights"
     empty: bool = False
     cached: bool = False
     on_hub: bool | None = None
@@ -83,15 +105,23 @@ def read_config_file(path: str) -> ConfigFile:
             data = yaml.safe_load(f)
     except (OSError, yaml.YAMLError) as error:
         return ConfigFile(path, "unreadable", " ".join(str(error).split()))
+    if isinstance(data, dict) and (data.keys() & ACCELERATE_KEYS or data.keys() & DEEPSPEED_KEYS):
+        return ConfigFile(path, "accelerate" if data.keys() & ACCELERATE_KEYS else "deepspeed")
     return ConfigFile(path, "mapping" if isinstance(data, dict) or data is None else "not_mapping")
 
 
 def config_settings(path: str) -> dict[str, Any]:
-    """The top-level settings of a `--config` file that [`read_config_file`] found to be a mapping."""
+    """The top-level settings of the YAML file at `path` (`{}` unless it is a mapping, see [`read_config_file`])."""
     import yaml
 
     with open(path) as f:
-        return yaml.safe_load(f) or {}
+        data = yaml.safe_load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def config_value(path: str, key: str) -> object:
+    """The value of `key` in the YAML file at `path` (a mapping, see [`read_config_file`]), or `None`."""
+    return config_settings(path).get(key)
 
 
 def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> Place:
@@ -101,14 +131,21 @@ def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> 
     hub_id = is_hub_id(name)
     if os.path.isdir(name):
         files = any(os.path.isfile(os.path.join(name, f)) for f in MODEL_FILES)
-        return Place(name, "dir", absolute, hub_id, model_files=files)
+        weights = any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(name))
+        return Place(name, "dir", absolute, hub_id, model_files=files, weights=weights, missing_shards=_shards(name))
     if os.path.isfile(name):
         return Place(name, "file", absolute, hub_id, empty=_blank(name))
     if not hub_id:
-        return Place(name, "missing", absolute)
+        return Place(name, "missing", absolute, unexpanded_home=name.startswith("~") and os.path.exists(absolute))
     cached = in_model_cache(name) if repo_type == "model" else in_dataset_cache(name)
     on_hub = _ask_hub(name, repo_type) if online and not cached else None
     return Place(name, "missing", absolute, hub_id=True, cached=cached, on_hub=on_hub)
+
+
+def local(name: str) -> Place:
+    """What this machine holds at the path `name` (no cache, no Hub): a directory, a file, or nothing."""
+    kind = "dir" if os.path.isdir(name) else "file" if os.path.isfile(name) else "missing"
+    return Place(name, kind, os.path.abspath(os.path.expanduser(name)))
 
 
 def in_model_cache(repo_id: str) -> bool:
@@ -138,6 +175,22 @@ def _ask_hub(repo_id: str, repo_type: str) -> bool | None:
         return None
 
 
+def _shards(directory: str) -> tuple[str, ...]:
+    """The shard files that the shard indexes in `directory` name and that are not there (an unreadable index is left
+    to the loader)."""
+    import json
+
+    missing: set[str] = set()
+    for index in SHARD_INDEXES:
+        try:
+            with open(os.path.join(directory, index)) as f:
+                files = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        missing |= {file for file in files if not os.path.isfile(os.path.join(directory, file))}
+    return tuple(sorted(missing))
+
+
 def _blank(path: str, chunk: int = 1 << 16) -> bool:
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -146,5 +199,5 @@ def _blank(path: str, chunk: int = 1 << 16) -> bool:
     return True
 
 
-__all__ = ["ConfigFile", "Place", "in_dataset_cache", "in_model_cache", "is_hub_id", "needs_hub", "observe",
-           "read_config_file"]  # fmt: skip
+__all__ = ["ConfigFile", "Place", "config_value", "in_dataset_cache", "in_model_cache", "is_hub_id", "local",
+           "needs_hub", "observe", "read_config_file"]  # fmt: skip

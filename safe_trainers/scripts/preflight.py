@@ -13,24 +13,37 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import hub, places
+from .argv import config_path, flag_value
 from .config_keys import field_names, unknown_key_problems
-from .inputs import DataShape, Facts, InputError, InputProblem, config_path, judge, raise_problems
+from .inputs import DataShape, Facts, InputError, InputProblem, judge, raise_problems
 from .rewards import reward_name_problem
 
 
+# The settings of the trainer config judged at the "settings" stage (`inputs.INPUT_CHECKS`).
+SETTINGS_JUDGED = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
+                   "resume_from_checkpoint")
+
+
 def check_argv(argv: Sequence[str]) -> None:
-    """The `"argv"` stage: the `--config` file, before TRL's parser opens it.
+    """The `"argv"` stage: the `--config` file, before TRL's parser opens it, and the `--deepspeed` JSON file it or
+    the command line names, before transformers reads it.
 
     Raises:
-        InputError: when the file is missing, a directory, not YAML, or not a mapping of settings.
+        InputError: when a file is missing, a directory, unreadable, or not a mapping of settings.
     """
     path = config_path(argv)
-    if path is None:
-        return
-    raise_problems(judge("argv", {"config": path}, Facts(config=places.read_config_file(path))))
+    config = places.read_config_file(path) if path is not None else None
+    deepspeed = flag_value(argv, "deepspeed")
+    if deepspeed is None and config is not None and config.state == "mapping":
+        deepspeed = places.config_value(path, "deepspeed")
+    values: dict[str, Any] = {"config": path} if path is not None else {}
+    ds_file = None
+    if isinstance(deepspeed, str) and deepspeed.lower().endswith(".json"):  # not a dict nor base64 JSON
+        values["deepspeed"], ds_file = deepspeed, places.read_config_file(deepspeed)
+    raise_problems(judge("argv", values, Facts(config=config, deepspeed=ds_file)))
 
 
-def check_config_keys(argv: Sequence[str], dataclass_types: Sequence[type]) -> None:
+def check_config_keys(argv: Sequence[str], dataclass_types: Sequence[type], help_command: str | None = None) -> None:
     """The `--config` file's keys that none of `dataclass_types` reads (renamed or removed upstream, another script's,
     misspelled), one line each with its fix, before TRL's parser refuses them in one list. Run after [`check_argv`].
 
@@ -45,7 +58,7 @@ def check_config_keys(argv: Sequence[str], dataclass_types: Sequence[type]) -> N
         return
     versions = f"TRL {trl.__version__}, transformers {transformers.__version__}"
     settings = places.config_settings(path)
-    raise_problems(unknown_key_problems(settings, field_names(dataclass_types), versions))
+    raise_problems(unknown_key_problems(settings, field_names(dataclass_types), versions, help_command=help_command))
 
 
 def hub_names(script_args: Any, model_args: Any) -> list[str]:
@@ -75,8 +88,10 @@ def settings_problems(
         model=places.observe(model, "model", online) if model else None,
         dataset=places.observe(dataset, "dataset", online) if dataset and not script_args.datasets else None,
         hub=access,
+        checkpoint=places.local(str(training_args.resume_from_checkpoint or "")),
     )
-    values = {"learning_rate": training_args.learning_rate, "model_name_or_path": model, "dataset_name": dataset}
+    values = {name: getattr(training_args, name) for name in SETTINGS_JUDGED}
+    values.update(model_name_or_path=model, dataset_name=dataset)
     return judge("settings", values, facts)
 
 
@@ -98,6 +113,11 @@ def check_reward_names(names: Sequence[str]) -> None:
         InputError: naming each such reward and what to pass instead.
     """
     refused = [problem for problem in map(reward_name_problem, names) if problem is not None]
+    for name in names:  # a directory is a reward model: it must load
+        lacks = places.observe(name, "model", online=False).model_lacks if os.path.isdir(name) else None
+        if lacks:
+            refused.append(f"`reward_funcs` names the directory {name!r} as a reward model, but it is a directory "
+                           f"without {lacks}. Point it at a reward model saved with `save_pretrained`.")  # fmt: skip
     if refused:
         raise InputError(text=" ".join(refused))
 
@@ -123,6 +143,8 @@ def load_error(name: str | None, error: Exception) -> InputError | None:
     if not name:
         return None
     if os.path.exists(name):
+        while error.__cause__ is not None:  # `datasets` wraps the reader's own complaint (the line, the column)
+            error = error.__cause__
         problem = f"could not be read: {type(error).__name__}: {' '.join(str(error).split())[:400]}"
         fix = "Fix the file (one JSON object per line for `.jsonl`), or pass another one."
     elif constants.HF_HUB_OFFLINE:
@@ -150,5 +172,5 @@ def say_once(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-__all__ = ["check_argv", "check_config_keys", "check_data", "check_settings", "hub_names", "load_error", "program_name",
-           "settings_problems"]  # fmt: skip
+__all__ = ["check_argv", "check_config_keys", "check_data", "check_settings", "hub_names", "load_error",
+           "program_name", "settings_problems"]  # fmt: skip

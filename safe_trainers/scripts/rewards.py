@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..testing.toy import count_words_reward
+from .inputs import InputError
 
 
 RewardFunc = Callable[..., list[float]]
@@ -149,7 +150,8 @@ def load_reward_func(name: str) -> RewardFunc:
     usual import path, so a `my_rewards.py` next to where the job is launched is found.
 
     Raises:
-        ValueError: for an unknown name, a module that cannot be imported, or a missing or non-callable attribute.
+        InputError: (a `ValueError`) for an unknown name, a module that cannot be imported, or a missing or
+            non-callable attribute: a mistake in the input, which the launch scripts print as one message.
     """
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
@@ -157,21 +159,21 @@ def load_reward_func(name: str) -> RewardFunc:
         return trl_reward(name)
     problem = reward_name_problem(name)
     if problem is not None:
-        raise ValueError(problem)
+        raise InputError(text=problem)
     module_name, _, attribute = name.partition(":") if ":" in name else name.rpartition(".")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(
-            f"Could not import module `{module_name}` for the reward function {name!r} in `reward_funcs`: {error}. "
-            "Make sure the module is on `PYTHONPATH` (or in the current directory)."
+        raise InputError(
+            text=f"Could not import module `{module_name}` for the reward function {name!r} in `reward_funcs`: "
+            f"{error}. Make sure the module is on `PYTHONPATH` (or in the current directory)."
         ) from error
     func = getattr(module, attribute, None)
     if not callable(func):
-        raise ValueError(
-            f"Module `{module_name}` has no callable `{attribute}` (from {name!r} in `reward_funcs`). Define "
+        raise InputError(
+            text=f"Module `{module_name}` has no callable `{attribute}` (from {name!r} in `reward_funcs`). Define "
             f"`def {attribute}(completions, **kwargs) -> list[float]` in it."
         )
     return func
@@ -181,8 +183,8 @@ def load_reward_funcs(names: list[str]) -> list[RewardFunc | str]:
     """The reward functions for `names`, in order. A name that is an existing local directory is passed through as
     a reward-model path (GRPO scores with it)."""
     if not names:
-        raise ValueError(
-            "`reward_funcs` is empty: GRPO needs at least one reward. Use a built-in name "
+        raise InputError(
+            text="`reward_funcs` is empty: GRPO needs at least one reward. Use a built-in name "
             f"({', '.join(BUILTIN_REWARDS)}), one of TRL's ({', '.join(TRL_REWARDS)}) or a `module:function` path."
         )
     return [name if os.path.isdir(name) else load_reward_func(name) for name in names]

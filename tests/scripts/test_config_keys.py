@@ -1,7 +1,7 @@
-"""Config keys no setting reads (`safe_trainers.scripts.config_keys`): a recipe written for an older TRL or
-transformers (`torch_dtype`, `max_prompt_length`, `overwrite_output_dir`), a key of open-r1's own script, a misspelling.
-Each gets one line with its fix, in the launch scripts (exit 2, before anything is loaded) and in `safe-trainers
-check`; a key an installed release still reads is never reported."""
+"""Settings no dataclass reads (`safe_trainers.scripts.config_keys`): a recipe written for an older TRL or transformers
+(`torch_dtype`, `max_prompt_length`, `overwrite_output_dir`), a key of open-r1's own script, a misspelling, in the
+`--config` file or on the command line. Each gets one line with its fix, in the launch scripts (exit 2, before anything
+is loaded) and in `safe-trainers check`; a setting an installed release still reads is never reported."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import trl
 from safe_trainers.cli.main import main as cli
 from safe_trainers.configs import config_class
 from safe_trainers.scripts.arguments import ScriptArguments
-from safe_trainers.scripts.config_keys import RETIRED, field_names, unknown_key_problems
+from safe_trainers.scripts.config_keys import RETIRED, field_names, leftover_settings, unknown_key_problems
 from safe_trainers.scripts.entry import run
 from safe_trainers.scripts.inputs import InputError
 from safe_trainers.scripts.launch import main
@@ -34,7 +34,8 @@ def test_a_renamed_key_names_its_new_name_and_keeps_the_value():
     [problem] = unknown_key_problems({"torch_dtype": "bfloat16"}, known("grpo"), VERSIONS)
     assert problem.setting == "torch_dtype" and problem.value == "bfloat16"
     assert problem.message == (
-        "`torch_dtype='bfloat16'` was renamed `dtype` by transformers: TRL x, transformers y have no `torch_dtype`. "
+        "`torch_dtype='bfloat16'` in the `--config` file was renamed `dtype` by transformers: TRL x, transformers y have "
+        "no `torch_dtype`. "
         "Rename it `dtype` (same values)."
     )
 
@@ -51,6 +52,18 @@ def test_open_r1_script_keys_and_misspellings_are_told_apart():
     assert problems[1].fix == "Did you mean `learning_rate`? Fix the name, or remove it."
     [far] = unknown_key_problems({"zzz_unheard_of": 1}, known("grpo"), VERSIONS)
     assert far.fix == "Fix the name, or remove it."  # no far-fetched guess
+
+
+def test_command_line_leftovers_are_read_as_settings_and_stray_values():
+    settings, stray = leftover_settings(["--lerning-rate", "1e-5", "--max_seq_length=8", "--flag", "--x", "a", "b"])
+    assert settings == {"lerning_rate": "1e-5", "max_seq_length": "8", "flag": None, "x": "a"} and stray == ["b"]
+    problems = unknown_key_problems(settings, known("sft"), VERSIONS, "on the command line", "train --help")
+    assert [p.setting for p in problems] == ["lerning_rate", "max_seq_length", "flag", "x"]
+    assert problems[0].message == (
+        "`lerning_rate='1e-5'` on the command line is not a setting of this launch (TRL x, transformers y). "
+        "Did you mean `learning_rate`? Fix the name, or remove it; `train --help` lists every setting."
+    )
+    assert problems[1].fix == "Rename it `max_length`."
 
 
 @pytest.mark.parametrize("kind", KINDS)

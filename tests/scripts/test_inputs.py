@@ -46,7 +46,18 @@ def test_a_model_directory_needs_its_config():
     bare = Place("m", "dir", "/here/m", hub_id=True)
     [problem] = judge("settings", {"model_name_or_path": "m"}, Facts(model=bare))
     assert "without `config.json`" in problem.problem
-    assert judge("settings", {"model_name_or_path": "m"}, Facts(model=Place("m", "dir", "/m", model_files=True))) == []
+    whole = Place("m", "dir", "/m", model_files=True, weights=True)
+    assert judge("settings", {"model_name_or_path": "m"}, Facts(model=whole)) == []
+
+
+def test_a_model_directory_needs_its_weights():
+    def problem(place):
+        return judge("settings", {"model_name_or_path": "m"}, Facts(model=place))[0].problem
+
+    assert "without `*.safetensors` or `*.bin` weights" in problem(Place("m", "dir", "/m", model_files=True))
+    shard = "model-00002-of-00002.safetensors"
+    partial = Place("m", "dir", "/m", model_files=True, weights=True, missing_shards=(shard,))
+    assert f"without the weight shards its index names: [{shard!r}]" in problem(partial)
 
 
 def test_dataset_files():
