@@ -14,7 +14,7 @@ from trl import ModelConfig, TrlParser
 
 from . import preflight
 from .argv import normalize_argv
-from .config_keys import field_names, leftover_settings, unknown_key_problems
+from .config_keys import field_names, installed_versions, leftover_settings, unknown_key_problems
 from .inputs import InputError, InputProblem, raise_problems
 from .rewards import BUILTIN_REWARDS, TRL_REWARDS
 
@@ -118,18 +118,19 @@ def parse_args(
     """
     parser = make_parser(kind, config_class, prog)
     argv = normalize_argv(sys.argv[1:] if argv is None else argv)  # `--learning_rate -1e-5`, `--config=x`
-    preflight.check_argv(argv)
-    preflight.check_config_keys(argv, parser.dataclass_types, parser.help_command)
+    config = preflight.check_argv(argv)
+    preflight.check_config_keys(config, parser.dataclass_types, parser.help_command)
     try:
-        *parsed, from_config, from_command_line = parser.parse_args_and_config(
+        # The `--config` file's keys were judged before parsing (`check_config_keys`): only the command line's
+        # leftovers are left to name.
+        *parsed, _, from_command_line = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
         )
     except InputError:
         raise
     except ValueError as error:  # a config class's own check of a setting (a user's mistake, with its message)
         raise InputError(text=str(error)) from error
-    raise_problems(unknown_settings(from_config, "in the `--config` file", parser) +
-                   unknown_settings(from_command_line, "on the command line", parser))  # fmt: skip
+    raise_problems(unknown_settings(from_command_line, "on the command line", parser))
     script_args, training_args, model_args = parsed
     if announce_cpu and training_args.use_cpu and not has_accelerator() and training_args.process_index == 0:
         logger.warning("safe_trainers: no GPU found, training on the CPU (`use_cpu=True`).")
@@ -139,12 +140,9 @@ def parse_args(
 def unknown_settings(remaining: list[str], where: str, parser: TrlParser) -> list[InputProblem]:
     """The strings the parser did not use (`where` they came from) as problems: each setting named with what became
     of it or the setting meant (see `config_keys`), each stray value as one that belongs to no setting."""
-    import transformers
-
     settings, stray = leftover_settings(remaining)
-    versions = f"TRL {trl.__version__}, transformers {transformers.__version__}"
     known = field_names(parser.dataclass_types)
-    problems = unknown_key_problems(settings, known, versions, where, parser.help_command)
+    problems = unknown_key_problems(settings, known, installed_versions(), where, parser.help_command)
     fix = f"Give it to a setting (`--name value`), or remove it; `{parser.help_command}` lists every setting."
     return problems + [InputProblem("argument", value, f"{where} belongs to no setting", fix) for value in stray]
 

@@ -80,6 +80,14 @@ def field_names(dataclass_types: Iterable[type]) -> frozenset[str]:
     return frozenset(f.name for cls in dataclass_types for f in dataclasses.fields(cls))
 
 
+def installed_versions() -> str:
+    """The installed TRL and transformers releases, as the messages name them (`"TRL 1.16.0, transformers 5.23.0"`)."""
+    import transformers
+    import trl
+
+    return f"TRL {trl.__version__}, transformers {transformers.__version__}"
+
+
 def unknown_key_problems(
     settings: Mapping[str, Any], known: frozenset[str], versions: str, where: str = "in the `--config` file",
     help_command: str | None = None,
@@ -132,4 +140,5 @@ def leftover_settings(remaining: Sequence[str]) -> tuple[dict[str, str], list[st
     return settings, stray
 
 
-__all__ = ["OPEN_R1_SCRIPT_KEYS", "RETIRED", "Retired", "field_names", "leftover_settings", "unknown_key_problems"]
+__all__ = ["OPEN_R1_SCRIPT_KEYS", "RETIRED", "Retired", "field_names", "installed_versions", "leftover_settings",
+           "unknown_key_problems"]  # fmt: skip

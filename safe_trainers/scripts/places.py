@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
@@ -33,11 +33,13 @@ class ConfigFile:
             `"accelerate"` or `"deepspeed"` (a launcher's config given where the trainer's settings belong), or
             `"unreadable"` (a YAML syntax or read error, in `error`).
         error (`str`): the reader's complaint, for `"unreadable"`.
+        settings (`dict`): the top-level settings, for `"mapping"` (empty otherwise).
     """
 
     path: str
     state: Literal["mapping", "missing", "directory", "not_mapping", "accelerate", "deepspeed", "unreadable"]
     error: str = ""
+    settings: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -107,21 +109,9 @@ def read_config_file(path: str) -> ConfigFile:
         return ConfigFile(path, "unreadable", " ".join(str(error).split()))
     if isinstance(data, dict) and (data.keys() & ACCELERATE_KEYS or data.keys() & DEEPSPEED_KEYS):
         return ConfigFile(path, "accelerate" if data.keys() & ACCELERATE_KEYS else "deepspeed")
-    return ConfigFile(path, "mapping" if isinstance(data, dict) or data is None else "not_mapping")
-
-
-def config_settings(path: str) -> dict[str, Any]:
-    """The top-level settings of the YAML file at `path` (`{}` unless it is a mapping, see [`read_config_file`])."""
-    import yaml
-
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    return data if isinstance(data, dict) else {}
-
-
-def config_value(path: str, key: str) -> object:
-    """The value of `key` in the YAML file at `path` (a mapping, see [`read_config_file`]), or `None`."""
-    return config_settings(path).get(key)
+    if isinstance(data, dict) or data is None:
+        return ConfigFile(path, "mapping", settings=data or {})
+    return ConfigFile(path, "not_mapping")
 
 
 def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> Place:
@@ -199,5 +189,5 @@ def _blank(path: str, chunk: int = 1 << 16) -> bool:
     return True
 
 
-__all__ = ["ConfigFile", "Place", "config_value", "in_dataset_cache", "in_model_cache", "is_hub_id", "local",
+__all__ = ["ConfigFile", "Place", "in_dataset_cache", "in_model_cache", "is_hub_id", "local",
            "needs_hub", "observe", "read_config_file"]  # fmt: skip

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import hub, places
 from .argv import config_path, flag_value
-from .config_keys import field_names, unknown_key_problems
+from .config_keys import field_names, installed_versions, unknown_key_problems
 from .inputs import DataShape, Facts, InputError, InputProblem, judge, raise_problems
 from .rewards import reward_name_problem
 
@@ -24,7 +24,7 @@ SETTINGS_JUDGED = ("learning_rate", "per_device_train_batch_size", "gradient_acc
                    "resume_from_checkpoint")
 
 
-def check_argv(argv: Sequence[str]) -> None:
+def check_argv(argv: Sequence[str]) -> places.ConfigFile | None:
     """The `"argv"` stage: the `--config` file, before TRL's parser opens it, and the `--deepspeed` JSON file it or
     the command line names, before transformers reads it.
 
@@ -34,31 +34,29 @@ def check_argv(argv: Sequence[str]) -> None:
     path = config_path(argv)
     config = places.read_config_file(path) if path is not None else None
     deepspeed = flag_value(argv, "deepspeed")
-    if deepspeed is None and config is not None and config.state == "mapping":
-        deepspeed = places.config_value(path, "deepspeed")
+    if deepspeed is None and config is not None:
+        deepspeed = config.settings.get("deepspeed")
     values: dict[str, Any] = {"config": path} if path is not None else {}
     ds_file = None
     if isinstance(deepspeed, str) and deepspeed.lower().endswith(".json"):  # not a dict nor base64 JSON
         values["deepspeed"], ds_file = deepspeed, places.read_config_file(deepspeed)
     raise_problems(judge("argv", values, Facts(config=config, deepspeed=ds_file)))
+    return config
 
 
-def check_config_keys(argv: Sequence[str], dataclass_types: Sequence[type], help_command: str | None = None) -> None:
-    """The `--config` file's keys that none of `dataclass_types` reads (renamed or removed upstream, another script's,
-    misspelled), one line each with its fix, before TRL's parser refuses them in one list. Run after [`check_argv`].
+def check_config_keys(
+    config: places.ConfigFile | None, dataclass_types: Sequence[type], help_command: str | None = None
+) -> None:
+    """The keys of the `--config` file ([`check_argv`] read it) that none of `dataclass_types` reads (renamed or
+    removed upstream, another script's, misspelled), one line each with its fix, before TRL's parser refuses them in
+    one list.
 
     Raises:
         InputError: naming each such key.
     """
-    import transformers
-    import trl
-
-    path = config_path(argv)
-    if path is None:
-        return
-    versions = f"TRL {trl.__version__}, transformers {transformers.__version__}"
-    settings = places.config_settings(path)
-    raise_problems(unknown_key_problems(settings, field_names(dataclass_types), versions, help_command=help_command))
+    if config is not None:
+        known = field_names(dataclass_types)
+        raise_problems(unknown_key_problems(config.settings, known, installed_versions(), help_command=help_command))
 
 
 def hub_names(script_args: Any, model_args: Any) -> list[str]:

@@ -34,9 +34,8 @@ def test_a_renamed_key_names_its_new_name_and_keeps_the_value():
     [problem] = unknown_key_problems({"torch_dtype": "bfloat16"}, known("grpo"), VERSIONS)
     assert problem.setting == "torch_dtype" and problem.value == "bfloat16"
     assert problem.message == (
-        "`torch_dtype='bfloat16'` in the `--config` file was renamed `dtype` by transformers: TRL x, transformers y have "
-        "no `torch_dtype`. "
-        "Rename it `dtype` (same values)."
+        "`torch_dtype='bfloat16'` in the `--config` file was renamed `dtype` by transformers: TRL x, transformers y "
+        "have no `torch_dtype`. Rename it `dtype` (same values)."
     )
 
 
