@@ -167,7 +167,7 @@ def run(ns: argparse.Namespace) -> int:
         overrides += ["--use_cpu", "true"]
     config_class = target.config_class_for(kind_config(ns.trainer), launch.num_processes)
     problems = target.target_problems(target_values, hardware)
-    warnings_ = []
+    warnings_, found = [], []
     try:
         with target.config_file(config) as path:
             script_args, training_args, model_args = parse_args(
@@ -204,7 +204,7 @@ def run(ns: argparse.Namespace) -> int:
     report.hardware = f"{hardware.source}; {launch.describe()}"
     for note in notes:
         print(f"note: {note}")
-    if setup.model_config is None and model and not any(n.startswith("`model_name_or_path=") for n in notes):
+    if setup.model_config is None and model and not any(p.local and p.setting == "model_name_or_path" for p in found):
         print(
             f"note: could not read `config.json` for `{model}` and its name says no known family; model-specific "
             "rules were not checked."
