@@ -111,11 +111,6 @@ def check_reward_names(names: Sequence[str]) -> None:
         InputError: naming each such reward and what to pass instead.
     """
     refused = [problem for problem in map(reward_name_problem, names) if problem is not None]
-    for name in names:  # a directory is a reward model: it must load
-        lacks = places.observe(name, "model", online=False).model_lacks if os.path.isdir(name) else None
-        if lacks:
-            refused.append(f"`reward_funcs` names the directory {name!r} as a reward model, but it is a directory "
-                           f"without {lacks}. Point it at a reward model saved with `save_pretrained`.")  # fmt: skip
     if refused:
         raise InputError(text=" ".join(refused))
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..testing.toy import count_words_reward
+from . import places
 from .inputs import InputError
 
 
@@ -95,10 +96,17 @@ OPEN_R1_REWARDS: dict[str, tuple[str, bool]] = {
 
 
 def reward_name_problem(name: str) -> str | None:
-    """Why `name` cannot select a reward function, judged from its form alone (no import), or `None`. Shared by the
-    launch scripts (which refuse the name) and `safe-trainers check` (which warns: a script of the user's own may
-    resolve it), so that a config `check` passes without a warning is one the scripts run."""
-    if name in BUILTIN_REWARDS or name in TRL_REWARDS or ":" in name or "." in name or os.path.isdir(name):
+    """Why `name` cannot select a reward function, or `None`: judged from its form, and for a directory (a reward
+    model) from its files, with nothing imported or loaded. Shared by the launch scripts (which refuse the name) and
+    `safe-trainers check` (which warns: a script of the user's own may resolve it), so that a config `check` passes
+    without a warning is one the scripts run."""
+    if os.path.isdir(name):
+        lacks = places.observe(name, "model", online=False).model_lacks
+        if lacks is None:
+            return None
+        return (f"`reward_funcs` names the directory {name!r} as a reward model, but it is a directory without "
+                f"{lacks}. Point it at a reward model saved with `save_pretrained`.")  # fmt: skip
+    if name in BUILTIN_REWARDS or name in TRL_REWARDS or ":" in name or "." in name:
         return None
     message = (
         f"Unknown reward function {name!r} in `reward_funcs`. Use a built-in name ({', '.join(BUILTIN_REWARDS)}), one "
@@ -123,13 +131,13 @@ def open_r1_hint(name: str) -> str:
 def unbuilt_reward_warning(name: str, kind: str) -> str | None:
     """For `safe-trainers check`: the warning for a reward name the launch scripts cannot build (they refuse it at
     start-up, see [`reward_name_problem`]), or `None` for a name they build."""
-    if reward_name_problem(name) is None:
+    problem = reward_name_problem(name)
+    if problem is None:
         return None
-    hint = f" {open_r1_hint(name)}" if name in OPEN_R1_REWARDS else ""
     return (
         f"`reward_funcs` names {name!r}, which the shipped launch scripts cannot build: `launch/train_{kind}.py` will "
         f"refuse this config at start-up. A training script of your own may resolve the name; the rules were run on "
-        f"the rest of the config.{hint}"
+        f"the rest of the config. {problem}"
     )
 
 

@@ -257,6 +257,14 @@ def test_a_reward_model_directory_without_weights_before_any_model(toy_models, t
     assert f"names the directory {str(reward_model)!r} as a reward model" in message
     assert "without `*.safetensors` or `*.bin` weights" in message
     assert not (tmp_path / "out" / "toy-model").exists()
+    # `check` warns about the same directory (it passed it with exit 0 and no warning, then the launch refused it)
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model_name_or_path: {toy_models['qwen2']}\noutput_dir: {tmp_path / 'out'}\nuse_cpu: true\n"
+                      f"reward_funcs:\n- {reward_model}\n")  # fmt: skip
+    assert cli(["check", "--trainer", "grpo", "--config", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: `reward_funcs` names {str(reward_model)!r}, which the shipped launch scripts cannot build" in err
+    assert "without `*.safetensors` or `*.bin` weights" in err
 
 
 def test_a_whole_reward_model_directory_is_accepted(toy_models):
