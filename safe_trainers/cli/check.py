@@ -152,8 +152,7 @@ def run(ns: argparse.Namespace) -> int:
         hardware = target_hardware(ns)
         accelerate_config = target.read_yaml(ns.accelerate_config) if ns.accelerate_config else None
         launch = target.launch_from(accelerate_config, ns.num_processes)
-        check_argv(["--config", ns.config, *overrides])
-        config = target.read_yaml(ns.config)
+        config = dict(check_argv(["--config", ns.config, *overrides]).settings)  # read once, and judged
         config, overrides, held = target.hold_target_fields(config, overrides)
         target_values = target.target_values(held)
     except (ValueError, OSError) as error:

@@ -109,9 +109,8 @@ def read_config_file(path: str) -> ConfigFile:
         return ConfigFile(path, "unreadable", " ".join(str(error).split()))
     if isinstance(data, dict) and (data.keys() & ACCELERATE_KEYS or data.keys() & DEEPSPEED_KEYS):
         return ConfigFile(path, "accelerate" if data.keys() & ACCELERATE_KEYS else "deepspeed")
-    if isinstance(data, dict) or data is None:
-        return ConfigFile(path, "mapping", settings=data or {})
-    return ConfigFile(path, "not_mapping")
+    # An empty file holds no mapping either: TRL's parser refuses it too.
+    return ConfigFile(path, "mapping", settings=data) if isinstance(data, dict) else ConfigFile(path, "not_mapping")
 
 
 def observe(name: str, repo_type: Literal["model", "dataset"], online: bool) -> Place:

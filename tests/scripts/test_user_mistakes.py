@@ -318,3 +318,14 @@ def test_the_shipped_deepspeed_files_are_read():
 
     for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):  # no false alarm
         preflight.check_argv(["--deepspeed", str(path)])
+
+
+def test_an_empty_config_file_is_refused_by_check_as_by_the_launch(tmp_path, capsys):
+    # was: `check` read an empty file as no settings and went on; the launch stopped at TRL's "must contain a YAML
+    # mapping"
+    config = tmp_path / "empty.yaml"
+    config.write_text("")
+    message = refused(capsys, "dpo", ["--config", str(config)])
+    assert f"`config={str(config)!r}` does not hold a mapping of settings" in message
+    assert cli(["check", "--trainer", "dpo", "--config", str(config)]) == 2
+    assert f"`config={str(config)!r}` does not hold a mapping of settings" in capsys.readouterr().err
