@@ -9,14 +9,12 @@ from typing import TYPE_CHECKING, Any
 from ..kinds import get_kind
 from ..testing import toy
 from .inputs import InputError
+from .places import DATA_FILE_BUILDERS
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
     from .launch import ScriptArguments
-
-
-DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:
@@ -117,4 +115,4 @@ def _is_saved_to_disk(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
 
 
-__all__ = ["DATA_FILE_BUILDERS", "load_checked_split", "load_split", "load_train_dataset"]
+__all__ = ["load_checked_split", "load_split", "load_train_dataset"]

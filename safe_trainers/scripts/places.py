@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-DATA_FILE_EXTENSIONS = (".json", ".jsonl", ".parquet")  # the local files the launch scripts load (`scripts.data`)
+# The local data files the launch scripts load (`scripts.data`), by extension, and the `datasets` builder of each.
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+DATA_FILE_EXTENSIONS = tuple(DATA_FILE_BUILDERS)
 MODEL_FILES = ("config.json", "adapter_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # the weight files `from_pretrained` can read
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
