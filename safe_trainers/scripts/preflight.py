@@ -15,13 +15,8 @@ from typing import Any
 from . import hub, places
 from .argv import config_path, flag_value
 from .config_keys import field_names, installed_versions, unknown_key_problems
-from .inputs import DataShape, Facts, InputError, InputProblem, judge, raise_problems
+from .inputs import INPUT_CHECKS, DataShape, Facts, InputError, InputProblem, judge, raise_problems
 from .rewards import reward_name_problem
-
-
-# The settings of the trainer config judged at the "settings" stage (`inputs.INPUT_CHECKS`).
-SETTINGS_JUDGED = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
-                   "resume_from_checkpoint")
 
 
 def check_argv(argv: Sequence[str]) -> places.ConfigFile | None:
@@ -88,8 +83,11 @@ def settings_problems(
         hub=access,
         checkpoint=places.local(str(training_args.resume_from_checkpoint or "")),
     )
-    values = {name: getattr(training_args, name) for name in SETTINGS_JUDGED}
-    values.update(model_name_or_path=model, dataset_name=dataset)
+    # Every setting the table judges at this stage, from the argument objects that have it (the model's and the
+    # script's arguments win over the trainer config, as the names the user set are theirs).
+    sources = (training_args, script_args, model_args)
+    judged = {row.setting for row in INPUT_CHECKS if row.stage == "settings"}
+    values = {name: getattr(source, name) for name in judged for source in sources if hasattr(source, name)}
     return judge("settings", values, facts)
 
 
