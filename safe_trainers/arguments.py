@@ -74,6 +74,11 @@ class SafetyArguments:
     skip_step_after_crashes (`int`, *optional*, defaults to `2`):
         With `nan_guard=True`: a step whose batches killed the process this many times in a row (SIGKILL, segfault,
         device-side assert, ...) is not fed again; its batches are skipped and training goes on. `0` disables.
+    trusted_checkpoint_globals (`list[str]`, *optional*, defaults to `[]`):
+        Globals (dotted `module.Name`) a checkpoint's DeepSpeed or DCP state may hold beyond the classes those
+        backends store. Both load that state with pickle's full unpickler, so a resume passes over a checkpoint that
+        needs any other (`resume_from_checkpoint=True`, a restart) or refuses it (an explicit path): name here the
+        ones of a checkpoint you wrote yourself and trust.
     """
 
     safety_mode: SafetyMode = field(
@@ -145,6 +150,13 @@ class SafetyArguments:
         metadata={
             "help": "Skip the batches of a step that killed the process this many times in a row (0 disables; needs "
             "`nan_guard`)."
+        },
+    )
+    trusted_checkpoint_globals: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Globals (`module.Name`) a checkpoint's DeepSpeed or DCP state may hold beyond those the backends "
+            "store; a resume otherwise passes over (or, for an explicit path, refuses) a checkpoint that needs one."
         },
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -14,6 +15,10 @@ EventKind = Literal[
     "spike",
 ]
 EVENTS_FILE = "nan_events.jsonl"
+# The longest line of the event log read (an event is a few hundred bytes; a `resume` event with many passed-over
+# checkpoints a few KB): a longer one is not an event this product wrote, and is skipped.
+EVENT_LINE_LIMIT = 1 * 2**20
+logger = logging.getLogger("safe_trainers")
 
 
 @dataclass
@@ -69,9 +74,8 @@ class EventLog:
         if not self.write or not os.path.exists(self.path):
             return None
         if resumed_at is not None:
-            with open(self.path) as f:
-                lines = [line for line in f if line.strip()]
-            kept = [line for line in lines if json.loads(line).get("step", 0) <= resumed_at]
+            lines = _lines(self.path)
+            kept = [line for line, event in lines if event is not None and event.get("step", 0) <= resumed_at]
             if len(kept) == len(lines):
                 return None
         stem, ext = os.path.splitext(self.path)
@@ -95,12 +99,44 @@ class EventLog:
 
 
 def read_events(output_dir: str) -> list[dict[str, Any]]:
-    """The events recorded in `output_dir/nan_events.jsonl` (empty if none)."""
+    """The events recorded in `output_dir/nan_events.jsonl` (empty if none); a line that is not an event (does not
+    parse, is not an object with an integer `step`, is over `EVENT_LINE_LIMIT` bytes) is skipped with a warning."""
     path = os.path.join(output_dir, EVENTS_FILE)
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [event for _, event in _lines(path) if event is not None]
+
+
+def _lines(path: str) -> list[tuple[str, dict[str, Any] | None]]:
+    """Each non-blank line of the event log at `path`, with its event (`None`: not an event, warned about), reading
+    at most `EVENT_LINE_LIMIT` bytes of a line at a time."""
+    out: list[tuple[str, dict[str, Any] | None]] = []
+    with open(path, "rb") as f:
+        while raw := f.readline(EVENT_LINE_LIMIT + 1):
+            if len(raw) > EVENT_LINE_LIMIT and not raw.endswith(b"\n"):
+                while (rest := f.readline(EVENT_LINE_LIMIT + 1)) and not rest.endswith(b"\n"):
+                    pass  # the rest of a line too long to be an event
+                out.append(("", _not_an_event(path, len(out) + 1, f"over {EVENT_LINE_LIMIT} bytes")))
+                continue
+            line = raw.decode("utf-8", "replace")
+            if line.strip():
+                out.append((line if line.endswith("\n") else line + "\n", _event(path, len(out) + 1, line)))
+    return out
+
+
+def _event(path: str, number: int, line: str) -> dict[str, Any] | None:
+    try:
+        event = json.loads(line)
+    except ValueError as error:
+        return _not_an_event(path, number, f"does not parse ({type(error).__name__}: {error})")
+    if not isinstance(event, dict) or type(event.get("step", 0)) is not int:
+        return _not_an_event(path, number, "is not an object with an integer `step`")
+    return event
+
+
+def _not_an_event(path: str, number: int, why: str) -> None:
+    logger.warning(f"NaN guard: line {number} of `{path}` {why}; it is skipped (the log's other events are read).")
+    return None
 
 
 def _finite_json(value: Any) -> Any:

@@ -6,8 +6,13 @@ half-written or one another tool saved with NaN weights. Here each candidate is 
 * complete: it has `trainer_state.json` and model weights (a full model, a PEFT adapter, a sharded index whose shards
   all exist, or a DeepSpeed / FSDP state directory), and every file was written to the end: each JSON parses, each
   safetensors file is as long as its header says, each torch file's zip directory can be read (`completeness.py`);
+* safe: the pickled state DeepSpeed and DCP load with `weights_only=False` needs no class outside the allowlist of
+  those they store (`pickled_state.py`): a planted or foreign checkpoint runs nothing;
 * finite: every floating tensor of its weights and of `optimizer.pt` is finite. Safetensors files are read one tensor
   at a time; `.bin`/`.pt` files are memory-mapped. DeepSpeed and FSDP state directories are checked for presence only.
+
+A damaged file (a truncated or malformed JSON, index or safetensors header; a shard name that leaves the checkpoint)
+makes its checkpoint passed over with the reason, never an error out of the choice.
 
 The checks read files and change nothing; [`choose_checkpoint`] is deterministic: run on the same directory, it always
 picks the same checkpoint.
@@ -15,10 +20,10 @@ picks the same checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from safetensors import safe_open
@@ -27,7 +32,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 from ..guard.checkpoint_dirs import checkpoints
 from ..guard.finite import any_nonfinite
 from ..guard.nested import named_tensors
-from .completeness import BACKEND_STATE_PREFIXES, incomplete_checkpoint
+from .completeness import BACKEND_STATE_PREFIXES, incomplete_checkpoint, read_json
+from .pickled_state import trust_hint, unsafe_state_problem
 
 OPTIMIZER = "optimizer.pt"
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
@@ -75,8 +81,9 @@ def choose_checkpoint(
     return CheckpointChoice(None, tuple(passed))
 
 
-def checkpoint_problem(path: str) -> str | None:
-    """Why `path` cannot be resumed from (incomplete, unreadable, non-finite), or `None` if it can."""
+def checkpoint_problem(path: str, trusted: Iterable[str] = ()) -> str | None:
+    """Why `path` cannot be resumed from (incomplete, unreadable, unsafe, non-finite), or `None` if it can.
+    `trusted`: globals its pickled backend state may hold beyond the allowlist (`trusted_checkpoint_globals`)."""
     if not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
         return f"incomplete: no `{TRAINER_STATE_NAME}` (a save that did not finish, or not a Trainer checkpoint)"
     unfinished = incomplete_checkpoint(path)
@@ -84,9 +91,12 @@ def checkpoint_problem(path: str) -> str | None:
         return f"incomplete: {unfinished}"
     files, missing = weight_files(path)
     if missing:
-        return f"incomplete: `{missing}` is missing"
+        return missing
     if not files and not _has_backend_state(path):
         return "incomplete: no model weights"
+    unsafe = safety_problem(path, trusted)
+    if unsafe is not None:
+        return unsafe
     optimizer = os.path.join(path, OPTIMIZER)
     for file in files + ([optimizer] if os.path.isfile(optimizer) else []):
         try:
@@ -98,20 +108,51 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
+def checker(trusted: Iterable[str]) -> Callable[[str], str | None]:
+    """[`checkpoint_problem`] with the user's trusted globals."""
+    return partial(checkpoint_problem, trusted=tuple(trusted))
+
+
+def safety_problem(path: str, trusted: Iterable[str] = ()) -> str | None:
+    """Why loading the checkpoint at `path` could run code it carries ("unsafe: ..."), or `None`."""
+    try:
+        unsafe = unsafe_state_problem(path, trusted)
+    except Exception as error:  # a file that cannot be read to the end: nothing of it is trusted
+        unsafe = f"its backend state cannot be checked ({type(error).__name__}: {error})"
+    return None if unsafe is None else f"unsafe: {unsafe}; {trust_hint(path)}"
+
+
 def weight_files(path: str) -> tuple[list[str], str | None]:
-    """The weight files of a checkpoint, and the first file a sharded index lists that does not exist (if any)."""
+    """The weight files of a checkpoint, and why its sharded index is not usable (if so: it does not parse, is not a
+    `weight_map` of shard file names inside the checkpoint, or names a shard that does not exist)."""
     files = [os.path.join(path, name) for name in WEIGHT_FILES if os.path.isfile(os.path.join(path, name))]
     for index in WEIGHT_INDEXES:
         index_path = os.path.join(path, index)
         if not os.path.isfile(index_path):
             continue
-        with open(index_path) as f:
-            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        shards, problem = index_shards(index_path)
+        if problem is not None:
+            return files, f"incomplete: `{index}` {problem}"
         for shard in shards:
             if not os.path.isfile(os.path.join(path, shard)):
-                return files, shard
+                return files, f"incomplete: `{shard}` is missing"
         files += [os.path.join(path, shard) for shard in shards]
     return files, None
+
+
+def index_shards(index_path: str) -> tuple[list[str], str | None]:
+    """The shard files a sharded index names, or why it is not usable."""
+    index, problem = read_json(index_path)
+    if problem is not None:
+        return [], problem
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        return [], "holds no `weight_map` of tensor names to shard file names"
+    shards = sorted(set(weight_map.values()))
+    outside = [s for s in shards if os.path.basename(s) != s or s in ("", ".", "..")]
+    if outside:
+        return [], f"names a shard outside the checkpoint (`{outside[0][:80]}`): a shard is a file name beside it"
+    return shards, None
 
 
 def _has_backend_state(path: str) -> bool:

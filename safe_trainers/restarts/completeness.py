@@ -4,9 +4,13 @@ A checkpoint saved in place (by stock TRL, another tool, or a save killed half-w
 renames) can hold an empty or truncated `trainer_state.json`, or a weight file cut short: transformers then fails at
 resume (`JSONDecodeError`) on every restart. A file is complete when:
 
-* JSON (`trainer_state.json`, `config.json`, indexes, the guard's state, tokenizer files): it parses, and
-  `trainer_state.json` is an object with an integer `global_step`;
-* safetensors: its header parses and the file is exactly as long as the header's tensor offsets say;
+* JSON (`trainer_state.json`, `config.json`, indexes, the guard's state, tokenizer files): it is at most
+  `JSON_LIMIT` bytes (a larger one is not read), it parses, and the files the resume reads have the shape it reads
+  (`trainer_state.json`: an object with an integer `global_step` and fields of the types transformers restores; the
+  guard's `nan_guard_state.json`: see `guard.state.guard_state_problem`);
+* safetensors: its header length is at most `HEADER_LIMIT` and inside the file (checked before anything is
+  allocated), the header parses into entries with two integer `data_offsets`, and the file is exactly as long as the
+  header's tensor offsets say;
 * torch files (`.bin`, `.pt`, `.pth`: optimizer, scheduler, RNG states, training arguments, DeepSpeed's
   `global_step*/` shards): a zip archive whose central directory (written last) can be read, and whose members lie
   inside the file; no tensor is loaded.
@@ -22,11 +26,33 @@ import os
 import struct
 import zipfile
 
+from collections.abc import Callable
+from typing import Any
+
 from transformers.trainer import TRAINER_STATE_NAME
+
+from ..guard.state import GUARD_STATE_FILE, guard_state_problem
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # Directories in which a backend keeps its own sharded state (DeepSpeed's `global_step<N>`, FSDP's model shards).
 BACKEND_STATE_PREFIXES = ("global_step", "pytorch_model_fsdp")
+# The largest JSON file of a checkpoint read whole (a long run's `trainer_state.json` is a few MB, a tokenizer tens).
+JSON_LIMIT = 512 * 2**20
+# The largest safetensors header read (the bound the safetensors library itself enforces).
+HEADER_LIMIT = 100_000_000
+# What the resume reads of `trainer_state.json` (transformers' `TrainerState` fields): field -> the types it accepts.
+TRAINER_STATE_TYPES: dict[str, tuple[type, ...]] = {
+    "global_step": (int,),
+    "epoch": (int, float, type(None)),
+    "max_steps": (int,),
+    "log_history": (list,),
+    "best_metric": (int, float, type(None)),
+    "best_global_step": (int, type(None)),
+    "best_model_checkpoint": (str, type(None)),
+    "stateful_callbacks": (dict, type(None)),
+    "num_train_epochs": (int, float),
+    "total_flos": (int, float),
+}
 
 
 def incomplete_file(path: str) -> str | None:
@@ -40,7 +66,7 @@ def incomplete_file(path: str) -> str | None:
             return _safetensors_problem(path)
         if name.endswith(TORCH_SUFFIXES):
             return _torch_zip_problem(path)
-    except OSError as error:
+    except (OSError, zipfile.BadZipFile) as error:
         return f"cannot be read ({type(error).__name__}: {error})"
     return None
 
@@ -61,17 +87,46 @@ def incomplete_checkpoint(path: str) -> str | None:
     return None
 
 
-def _json_problem(path: str, name: str) -> str | None:
-    if os.path.getsize(path) == 0:
-        return "is empty"
-    with open(path, "rb") as f:
-        try:
-            value = json.loads(f.read())
-        except ValueError as error:
-            return f"does not parse ({type(error).__name__}: {error})"
-    if name == TRAINER_STATE_NAME and not (isinstance(value, dict) and isinstance(value.get("global_step"), int)):
+def read_json(path: str, limit: int = JSON_LIMIT) -> tuple[Any, str | None]:
+    """The value of the JSON file at `path`, or why it is not usable (empty, over `limit` bytes: not read, does not
+    parse, cannot be read) as `(None, reason)`."""
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return None, "is empty"
+        if size > limit:
+            return None, f"is {size} bytes, over the {limit} read for a JSON file (not read)"
+        with open(path, "rb") as f:
+            return json.loads(f.read(limit + 1)), None
+    except ValueError as error:  # also a UnicodeDecodeError
+        return None, f"does not parse ({type(error).__name__}: {error})"
+    except OSError as error:
+        return None, f"cannot be read ({type(error).__name__}: {error})"
+
+
+def trainer_state_problem(value: Any) -> str | None:
+    """Why a parsed `trainer_state.json` cannot be restored by transformers (after "`trainer_state.json` "), or
+    `None`."""
+    if not (isinstance(value, dict) and isinstance(value.get("global_step"), int)):
         return "holds no `global_step`"
+    for key, types in TRAINER_STATE_TYPES.items():
+        if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool)):
+            return f"holds `{key}` of type `{type(value[key]).__name__}`"
     return None
+
+
+# The files whose parsed content the resume reads, and the check of its shape.
+JSON_SHAPES: dict[str, Callable[[Any], str | None]] = {
+    TRAINER_STATE_NAME: trainer_state_problem,
+    GUARD_STATE_FILE: guard_state_problem,
+}
+
+
+def _json_problem(path: str, name: str) -> str | None:
+    value, problem = read_json(path)
+    if problem is None and name in JSON_SHAPES:
+        problem = JSON_SHAPES[name](value)
+    return problem
 
 
 def _safetensors_problem(path: str) -> str | None:
@@ -81,6 +136,8 @@ def _safetensors_problem(path: str) -> str | None:
         if len(head) < 8:
             return f"is truncated ({size} bytes: no header)"
         (length,) = struct.unpack("<Q", head)
+        if length > HEADER_LIMIT:
+            return f"has a header length of {length} bytes, over the {HEADER_LIMIT} safetensors allows (not read)"
         if 8 + length > size:
             return f"is truncated (a header of {length} bytes in a file of {size})"
         try:
@@ -89,11 +146,21 @@ def _safetensors_problem(path: str) -> str | None:
             return f"has a header that does not parse ({type(error).__name__}: {error})"
     if not isinstance(header, dict):
         return "has a header that is not an object"
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    ends = [_data_end(entry) for key, entry in header.items() if key != "__metadata__"]
+    if None in ends:
+        bad = next(key for key, entry in header.items() if key != "__metadata__" and _data_end(entry) is None)
+        return f"has a header entry `{bad[:80]}` without two integer `data_offsets`"
     data = size - 8 - length
     if max(ends, default=0) != data:
         return f"is truncated (its header places {max(ends, default=0)} bytes of tensors, the file holds {data})"
     return None
+
+
+def _data_end(entry: Any) -> int | None:
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+        return None
+    return offsets[1] if offsets[0] <= offsets[1] else None
 
 
 def _torch_zip_problem(path: str) -> str | None:

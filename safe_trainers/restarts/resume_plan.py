@@ -30,7 +30,9 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from ..guard.checkpoint_dirs import checkpoint_step
 from ..guard.events import NanEvent
-from .checkpoint_choice import CheckpointChoice, PassedOver, checkpoint_problem, choose_checkpoint
+from .checkpoint_choice import (
+    CheckpointChoice, PassedOver, checker, checkpoint_problem, choose_checkpoint, safety_problem,
+)  # fmt: skip
 from .launch import TrainCalls, agent_identity, launch_agents, restart_count, same_launch
 from .step_record import History, Progress, data_identity, inherit, read_progress
 
@@ -87,12 +89,17 @@ def plan_resume(
     data: str = "",
     launch: tuple[str, ...] = (),
     stage: int = 1,
+    trusted: tuple[str, ...] = (),
     choose: Callable[..., CheckpointChoice] = choose_checkpoint,
     previous: Callable[[str], Progress | None] = read_progress,
 ) -> ResumePlan:
     """Decide how `train()` starts (see the module docstring). `choose` and `previous` read `output_dir`; `launch`
-    names this launch's elastic agents (`launch.launch_agents`) and `stage` this `train()` call of the script
-    (`launch.TrainCalls`).
+    names this launch's elastic agents (`launch.launch_agents`), `stage` this `train()` call of the script
+    (`launch.TrainCalls`) and `trusted` the globals a checkpoint's pickled state may hold beyond the allowlist
+    (`trusted_checkpoint_globals`).
+
+    An explicit checkpoint path is the user's choice: it is not checked for completeness or finiteness, but a path
+    whose DeepSpeed or DCP state would run code it carries raises `ValueError` naming the file and the global.
 
     A restarted process trusts only the record its own launch wrote for the same `train()` call: with none (the
     launch died before this call began training, or the record in `output_dir` is an earlier run's), it starts over,
@@ -110,17 +117,21 @@ def plan_resume(
     own = launchs and known.stage == stage
     if reason == "explicit" and own:
         # Restarted with the command line that named a checkpoint: go on from this launch's newest, not back there.
-        choice = choose(output_dir, this_launchs(record))
+        choice = choose(output_dir, this_launchs(record, trusted))
         if choice.path is not None:
             reason = "restart"
     if reason == "restart" and not own:
         return ResumePlan(None, reason, restart, (), History(launch=launch, restart=restart, stage=stage), data)
     if reason == "restart":
-        choice = choose(output_dir, this_launchs(record))
+        choice = choose(output_dir, this_launchs(record, trusted))
     elif reason == "requested":
-        choice = choose(output_dir)
+        choice = choose(output_dir, checker(trusted))
     else:
         choice = CheckpointChoice(requested if reason == "explicit" else None)
+    if reason == "explicit" and os.path.isdir(requested):
+        unsafe = safety_problem(requested, trusted)
+        if unsafe is not None:
+            raise ValueError(f"`resume_from_checkpoint={requested!r}` is {unsafe}.")
     continuing = reason != "new" or restart > 0
     history = replace(inherit(record, continuing, data, skip_after), launch=launch, restart=restart, stage=stage)
     if reason == "restart":  # the launch's record goes on
@@ -131,7 +142,7 @@ def plan_resume(
     return ResumePlan(choice.path, reason, restart, choice.passed_over, history, data, finished)
 
 
-def this_launchs(record: Progress) -> Callable[[str], str | None]:
+def this_launchs(record: Progress, trusted: tuple[str, ...] = ()) -> Callable[[str], str | None]:
     """A checkpoint `problem` for a restart: a checkpoint the launch neither published (the record lists their steps)
     nor began from is passed over, every other is checked as usual (`checkpoint_choice.checkpoint_problem`)."""
     origin = os.path.normpath(record.history.origin) if record.history.origin else None
@@ -140,7 +151,7 @@ def this_launchs(record: Progress) -> Callable[[str], str | None]:
     def problem(path: str) -> str | None:
         if os.path.normpath(path) != origin and checkpoint_step(path) not in published:
             return NOT_THIS_LAUNCHS
-        return checkpoint_problem(path)
+        return checkpoint_problem(path, trusted)
 
     return problem
 
@@ -174,6 +185,7 @@ def resolve_run(trainer: Any, requested: str | bool | None) -> ResumePlan:
                 data=data_identity(args, rows),
                 launch=agents,
                 stage=stage,
+                trusted=tuple(getattr(settings, "trusted_checkpoint_globals", None) or ()),
             )
         except ValueError as error:  # raised on every rank, after the broadcast
             plan = error

@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 PROGRESS_FILE = ".safe_trainers_progress.json"
 KEPT_DEATHS = 16
+# The largest step record read (a few hundred bytes; a few KB with many deaths and checkpoints).
+RECORD_LIMIT = 2**20
 
 Phase = Literal["step", "between", "finished"]
 
@@ -94,8 +96,9 @@ class Progress:
     @classmethod
     def from_json(cls, text: str) -> Progress:
         raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError(f"a step record is a JSON object, not {type(raw).__name__}")
+        problem = record_problem(raw)
+        if problem is not None:
+            raise ValueError(f"not a step record: {problem}")
         kept = {k: v for k, v in raw.items() if k in History.__dataclass_fields__}  # a record of an older version
         kept["attempt"] = raw["attempt"]  # as `step`, `phase` and `data`: every version wrote it
         deaths = tuple(Death(**d) for d in kept.pop("deaths", []))
@@ -110,6 +113,44 @@ class Progress:
     def finished(self) -> bool:
         """Whether the record's `train()` call finished (it may have died since, finishing again after a restart)."""
         return self.phase == "finished" or self.history.result is not None
+
+
+_INT, _OPTIONAL_INT = (int,), (int, type(None))
+# The fields of a record: field -> the types read (absent fields of an older version take their default).
+RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "attempt": _INT, "step": _INT, "phase": (str,), "data": (str,), "restart": _INT, "stage": _INT,
+    "origin": (str, type(None)), "result": (dict, type(None)), "deaths": (list,), "poisoned": (list,),
+    "checkpoints": (list,), "launch": (str, list),
+}  # fmt: skip
+REQUIRED = ("attempt", "step", "phase", "data")
+
+
+def record_problem(raw: Any) -> str | None:
+    """Why a parsed step record cannot be read (wrong shape or types: not written by this product), or `None`."""
+    if not isinstance(raw, dict):
+        return f"a JSON `{type(raw).__name__}`, not an object"
+    missing = [key for key in REQUIRED if key not in raw]
+    wrong = [k for k, types in RECORD_TYPES.items() if k in raw and (type(raw[k]) not in types)]
+    if missing or wrong:
+        return f"`{(missing or wrong)[0]}` is missing or of the wrong type"
+    if raw["phase"] not in ("step", "between", "finished"):
+        return f"`phase` is {raw['phase'][:40]!r}"
+    items = [
+        all(isinstance(d, dict) and _typed(d, attempt=_INT, step=_OPTIONAL_INT) for d in raw.get("deaths", [])),
+        all(isinstance(p, dict) and _typed(p, step=_INT, attempts=(list,)) and _ints(p["attempts"])
+            for p in raw.get("poisoned", [])),
+        _ints(raw.get("checkpoints", [])),
+        isinstance(raw.get("launch", ""), str) or all(isinstance(x, str) for x in raw["launch"]),
+    ]  # fmt: skip
+    return None if all(items) else "`deaths`, `poisoned`, `checkpoints` or `launch` hold values of the wrong type"
+
+
+def _typed(value: dict, **types: tuple[type, ...]) -> bool:
+    return set(value) == set(types) and all(type(value[k]) in t for k, t in types.items())
+
+
+def _ints(values: list) -> bool:
+    return all(type(v) is int for v in values)
 
 
 def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: int) -> History:
@@ -155,8 +196,8 @@ def data_identity(args, rows: int | None) -> str:
 def read_progress(output_dir: str) -> Progress | None:
     """The record in `output_dir`, or `None` if there is none or it cannot be read."""
     try:
-        with open(os.path.join(output_dir, PROGRESS_FILE)) as f:
-            return Progress.from_json(f.read())
+        with open(os.path.join(output_dir, PROGRESS_FILE), "rb") as f:
+            return Progress.from_json(f.read(RECORD_LIMIT + 1))
     except (OSError, ValueError, TypeError, KeyError):
         return None
 

@@ -51,7 +51,7 @@ def parse(argv=None):
     parser.add_argument("--save_steps", type=int, default=4)
     parser.add_argument("--rollback_from", default="memory", help="`nan_rollback_from`")
     parser.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
-    parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from (`true`: the newest healthy one)")
     parser.add_argument("--gpu", action="store_true", help="train on the GPU in bf16 (the preset pins the CPU)")
     parser.add_argument("--save_final", action="store_true", help="`save_model(out/final)` after training")
     parser.add_argument("--bypass", action="append", default=[], help="a hook of the guard to take out (hook_utils)")
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     injector = trainer.fault_injector
     outcome = "finished"
     try:
-        trainer.train(resume_from_checkpoint=ns.resume)
+        trainer.train(resume_from_checkpoint=True if ns.resume == "true" else ns.resume)
     except st.TrainingDivergedError as error:
         outcome = f"diverged: {error.checkpoint_dir}"
     except UpstreamHookError as error:  # raised on every rank alike

@@ -1,0 +1,108 @@
+"""A checkpoint the run did not write executes nothing: DeepSpeed and DCP load their pickled state with pickle's full
+unpickler, so a planted `checkpoint-N` whose state carries a pickle payload is passed over by `resume_from_checkpoint=
+True` (the payload never runs) and an explicit path to it is refused, naming the global; real ZeRO-2, ZeRO-3 and FSDP2
+checkpoints are accepted (no false alarm: tests/guard/test_planted_distributed.py).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from guard_utils import recording
+
+from safe_trainers.guard import read_events
+from safe_trainers.restarts.checkpoint_choice import choose_checkpoint, safety_problem
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.trainers import trainer_class
+
+
+class Payload:
+    """Unpickled, it runs a shell command that writes `marker`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant_deepspeed(checkpoint: str, marker: str) -> str:
+    """A DeepSpeed state directory, as `deepspeed_load_checkpoint` finds it, whose model states run the payload."""
+    tag = os.path.join(checkpoint, "global_step9")
+    os.makedirs(tag)
+    state = {"module": {"w": torch.zeros(2)}, "payload": Payload(marker)}
+    torch.save(state, os.path.join(tag, "mp_rank_00_model_states.pt"))
+    with open(os.path.join(checkpoint, "latest"), "w") as f:
+        f.write("global_step9")
+    return "global_step9/mp_rank_00_model_states.pt"
+
+
+def plant_dcp(checkpoint: str, marker: str) -> str:
+    """A DCP directory (FSDP's `SHARDED_STATE_DICT`) whose `.metadata` runs the payload when `pickle.load` reads it."""
+    directory = os.path.join(checkpoint, "pytorch_model_fsdp_0")
+    os.makedirs(directory)
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        pickle.dump(Payload(marker), f)
+    with open(os.path.join(directory, "__0_0.distcp"), "wb") as f:
+        f.write(b"\0" * 64)
+    return "pytorch_model_fsdp_0/.metadata"
+
+
+PLANTS = {"deepspeed": plant_deepspeed, "dcp": plant_dcp}
+
+
+@pytest.fixture(scope="module")
+def finished_run(toy_models, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("planted") / "out")
+    trainer = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", max_steps=4, save_steps=2,
+                            trainer_cls=recording(trainer_class("dpo")))  # fmt: skip
+    trainer.train()
+    return out, trainer.seen
+
+
+@pytest.mark.parametrize("backend", sorted(PLANTS))
+def test_a_planted_checkpoint_is_passed_over_and_runs_nothing(finished_run, toy_models, tmp_path, backend):
+    reference, seen = finished_run
+    out = str(tmp_path / "out")
+    shutil.copytree(reference, out)
+    marker = str(tmp_path / "payload-ran")
+    planted = os.path.join(out, "checkpoint-9")  # complete, as the completeness check sees it
+    shutil.copytree(os.path.join(out, "checkpoint-4"), planted)
+    file = PLANTS[backend](planted, marker)
+
+    choice = choose_checkpoint(out)
+    assert choice.path == os.path.join(out, "checkpoint-4")
+    (passed,) = choice.passed_over
+    assert passed.path == planted
+    assert passed.reason.startswith(f"unsafe: `{file}` needs `posix.system`"), passed.reason
+    assert "`trusted_checkpoint_globals`" in passed.reason
+
+    resumed = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", max_steps=6, save_steps=2,
+                            trainer_cls=recording(trainer_class("dpo")))  # fmt: skip
+    resumed.train(resume_from_checkpoint=True)
+    assert [step for step, _ in resumed.seen] == [5, 6]  # from checkpoint-4
+    event = [e for e in read_events(out) if e["kind"] == "resume"][-1]
+    assert event["checkpoint"] == os.path.join(out, "checkpoint-4") and event["passed_over"][0]["checkpoint"] == planted
+
+    # An explicit path is the user's choice, still checked: refused with the global and the opt-in.
+    explicit = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", max_steps=8, save_steps=2)
+    with pytest.raises(ValueError, match=r"`resume_from_checkpoint='.*checkpoint-9'` is unsafe: .* needs "
+                       r"`posix.system`.*`trusted_checkpoint_globals`"):  # fmt: skip
+        explicit.train(resume_from_checkpoint=planted)
+    assert not os.path.exists(marker)  # nothing of the planted state ran, at any point
+    assert safety_problem(os.path.join(out, "checkpoint-4")) is None
+
+
+def test_latest_naming_a_tag_outside_the_checkpoint_is_refused(finished_run, tmp_path):
+    reference, _ = finished_run
+    checkpoint = str(tmp_path / "checkpoint-4")
+    shutil.copytree(os.path.join(reference, "checkpoint-4"), checkpoint)
+    os.makedirs(os.path.join(checkpoint, "global_step4"))
+    (tmp_path / "elsewhere").mkdir()
+    with open(os.path.join(checkpoint, "latest"), "w") as f:
+        f.write("../elsewhere")
+    assert safety_problem(checkpoint).startswith("unsafe: `latest` names `../elsewhere`, not a `global_step*`")
