@@ -21,6 +21,7 @@ from safe_trainers.guard.publishing import (
 from safe_trainers.restarts.checkpoint_choice import checkpoint_problem, choose_checkpoint
 from safe_trainers.testing.build import build_trainer
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEW = "written_by_the_new_save.txt"  # marks the staged (new) copy of checkpoint-4
 
 
@@ -116,7 +117,8 @@ def test_a_run_killed_while_replacing_a_checkpoint_resumes_from_it(toy_models, f
     out = str(tmp_path / "out")
     shutil.copytree(finished_run, out)
     script = KILL_SCRIPT.format(out=out, model=toy_models["qwen2"], k=k)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 9, done.stderr[-3000:]
     assert os.path.isdir(checkpoint_dir(out, 4)) == (k < 2)  # the kill happened between the steps
 
