@@ -1,11 +1,13 @@
 """Checkpoint directories: their names (`checkpoint-<step>`, transformers' own prefix), and the staging directory a
-checkpoint is written to before it is renamed into place (never half-written under its final name)."""
+checkpoint is written to before it is renamed into place (never half-written under its final name; publishing and
+the recovery after a crash are in `publishing.py`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-import shutil
+import stat
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -17,24 +19,51 @@ def staging_run_dir(run_dir: str) -> str:
     return os.path.join(run_dir, STAGING_DIR)
 
 
-def publish(staged: str, final: str) -> None:
-    """Move a fully written checkpoint from the staging directory to its final name (atomic on one filesystem)."""
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(staged, final)
-    staging = os.path.dirname(staged)
-    if not os.listdir(staging):
-        os.rmdir(staging)
+def checked_staging(run_dir: str, create: bool = False) -> str:
+    """The staging directory of `run_dir`, refused when it is not a real directory of the current user: a symbolic
+    link would send the checkpoint's writes, and the deletion of what an interrupted save left, to its target.
 
+    Args:
+        run_dir (`str`): the run's `output_dir`.
+        create (`bool`): create the directory when it is missing (before a save).
 
-def clean_staging(run_dir: str) -> list[str]:
-    """Remove half-written checkpoints left by a crash during saving; return what was removed."""
-    staging = staging_run_dir(run_dir)
-    if not os.path.isdir(staging):
-        return []
-    removed = [os.path.join(staging, name) for name in os.listdir(staging)]
-    shutil.rmtree(staging, ignore_errors=True)
-    return removed
+    Raises:
+        `FileExistsError`: the path is a symbolic link, or not a directory.
+        `PermissionError`: the directory belongs to another user.
+    """
+    path = staging_run_dir(run_dir)
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            return path
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass  # another process of this run made it first
+        found = os.lstat(path)
+    fix = f"Remove it (`rm -r '{path}'`; it holds only checkpoints a save had not finished) and run again"
+    if stat.S_ISLNK(found.st_mode):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"The checkpoint staging directory `{path}` is a symbolic link (to `{os.readlink(path)}`): checkpoints "
+            "are written there and what an interrupted save left is deleted, so it must be a real directory inside "
+            f"`output_dir`; nothing was written or deleted through it. {fix}",
+            path,
+        )
+    if not stat.S_ISDIR(found.st_mode):
+        raise FileExistsError(
+            errno.EEXIST, f"The checkpoint staging directory `{path}` is not a directory. {fix}", path
+        )
+    if found.st_uid != os.getuid():
+        raise PermissionError(
+            errno.EPERM,
+            f"The checkpoint staging directory `{path}` belongs to another user (uid {found.st_uid}, this run's is "
+            f"{os.getuid()}): the run would write its checkpoints into, and delete from, a directory it does not own. "
+            f"Have it removed, or choose another `output_dir`",
+            path,
+        )
+    return path
 
 
 def checkpoint_dir(run_dir: str, step: int) -> str:

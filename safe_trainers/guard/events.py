@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..files import open_append_no_follow, write_text_no_follow
+
 EventKind = Literal[
     "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt",
     "spike",
@@ -85,15 +87,14 @@ class EventLog:
         previous = f"{stem}.previous-{n}{ext}"
         os.replace(self.path, previous)
         if resumed_at is not None:
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+            write_text_no_follow(self.path, "".join(kept))
         return previous
 
     def add(self, event: NanEvent) -> NanEvent:
         self.events.append(event)
         if self.write:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path, "a") as f:
+            with open_append_no_follow(self.path) as f:  # a link there is refused (`files.py`)
                 f.write(json.dumps(event.to_dict()) + "\n")
         return event
 

@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..files import write_text_no_follow
 from .spikes import SpikeWindow
 
 GUARD_STATE_FILE = "nan_guard_state.json"
@@ -45,8 +46,7 @@ class GuardState:
         """Write the state into `checkpoint_dir`, with the window of `spikes`, the guard's spike detector (a host
         read of its few values)."""
         self.spike_window = spikes.history() if spikes is not None else None
-        with open(os.path.join(checkpoint_dir, GUARD_STATE_FILE), "w") as f:
-            json.dump(asdict(self), f)
+        write_text_no_follow(os.path.join(checkpoint_dir, GUARD_STATE_FILE), json.dumps(asdict(self)))
 
     @classmethod
     def load(cls, checkpoint_dir: str) -> "GuardState | None":

@@ -7,8 +7,10 @@ guard touches, and how each keeps its contract:
   state only), so resume skips exactly the batches consumed and a run ends at `state.max_steps`.
 * logs (`loss`, `train_loss`, W&B, TensorBoard): a window with a skipped step reports the mean over its applied
   steps ([`LossLedger`]); step numbers only grow, so plots read as a normal run plus `nan_guard/*` counters.
-* checkpoints and `trainer_state.json`: written to a staging directory, verified finite, then renamed; the best-model
-  path always names a published checkpoint; `on_save` and hub uploads only ever see published checkpoints.
+* checkpoints and `trainer_state.json`: written to a staging directory (a real directory of this user's, never a
+  link), verified finite, then published by renames that leave a complete copy at every point of a crash, fsynced
+  (`publishing.py`); the best-model path always names a published checkpoint; `on_save` and hub uploads only ever
+  see published checkpoints.
 * `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
 * resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
   and a restart by the elastic agent take the newest complete and finite checkpoint (`restarts/resume_plan.py`).
@@ -16,7 +18,8 @@ guard touches, and how each keeps its contract:
   (`restarts/record_callback.py`); a run resumed at its last step (a restart after `train()` returned) trains no step
   past `max_steps`.
 * rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones
-  (`restarts/rotation.py`).
+  (`restarts/rotation.py`), and runs only in `output_dir` after a publication: the Trainer's own rotation would run
+  inside the staging directory, so `save_total_limit` is unset while the Trainer writes there.
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ from ..restarts.record_callback import StepProgressCallback
 from ..restarts.resume_plan import record_resume, resolve_run
 from ..restarts.rotation import rotate_up_to
 from ..restarts.run_control import after_boundary, after_train, preempted_at_end
-from .checkpoint_dirs import STAGING_DIR, checkpoint_dir, checkpoint_step, clean_staging, publish, staging_run_dir
+from .checkpoint_dirs import STAGING_DIR, checked_staging, checkpoint_dir, checkpoint_step, staging_run_dir
 from .finite import all_finite
 from .guard import NanGuard
 from .hooks_ran import HooksRan, verify_hooks
+from .publishing import publish, recover_staging
 from .recovery import refuse_save
 
 logger = logging.getLogger("safe_trainers")
@@ -86,9 +90,9 @@ class NanGuardTrainerMixin:
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
     ):
         guard = self.nan_guard
-        if guard is not None and self.is_world_process_zero():
-            for path in clean_staging(self.args.output_dir):
-                logger.warning(f"NaN guard: removed a half-written checkpoint left by an interrupted save: {path}")
+        if guard is not None:  # a save a crash interrupted is finished or undone (`publishing.py`)
+            for line in recover_staging(self.args.output_dir, main=self.is_world_process_zero()):
+                logger.warning(f"NaN guard: {line}")
         plan = resolve_run(self, resume_from_checkpoint)  # `True` and restarts: the newest healthy checkpoint
         if guard is not None:
             self.hooks_ran.clear()  # each `train()` call proves its own hooks (`hooks_ran.py`)
@@ -221,11 +225,14 @@ class NanGuardTrainerMixin:
             return
         run_dir = self._get_output_dir(trial)
         staged, final = checkpoint_dir(staging_run_dir(run_dir), step), checkpoint_dir(run_dir, step)
+        checked_staging(run_dir, create=True)  # a real directory of this user's, never a link
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside staging: ours below
         self.guard_hooks.staging = True
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.guard_hooks.staging = False
+            self.args.save_total_limit = limit
         verify_hooks(self, "save")  # the Trainer wrote to the staging directory, or the run stops here
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
         self.accelerator.wait_for_everyone()

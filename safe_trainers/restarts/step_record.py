@@ -19,6 +19,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from ..files import open_no_follow
+
 PROGRESS_FILE = ".safe_trainers_progress.json"
 KEPT_DEATHS = 16
 # The largest step record read (a few hundred bytes; a few KB with many deaths and checkpoints).
@@ -213,7 +215,7 @@ class ProgressWriter:
 
     def __init__(self, output_dir: str, history: History, data: str):
         os.makedirs(output_dir, exist_ok=True)
-        self._fd = os.open(os.path.join(output_dir, PROGRESS_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
+        self._fd = open_no_follow(os.path.join(output_dir, PROGRESS_FILE))  # a link there is refused (`files.py`)
         os.ftruncate(self._fd, 0)
         self._data = data
         self._size = 0

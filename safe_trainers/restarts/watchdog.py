@@ -38,6 +38,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..files import open_append_no_follow
+
 logger = logging.getLogger("safe_trainers")
 
 HUNG_EXIT_CODE = 124  # as `timeout(1)`: the command ran past its time limit
@@ -203,7 +205,7 @@ class HangWatchdog(TrainerCallback):
         )
         try:
             os.makedirs(self.output_dir, exist_ok=True)
-            with open(path, "a") as f:
+            with open_append_no_follow(path) as f:  # a link there is refused (`files.py`)
                 f.write(head)
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..files import write_text_no_follow
+
 
 Action = Literal["fixed", "warned", "blocked", "skipped"]
 
@@ -214,10 +216,7 @@ class SafetyReport:
         """Write the report as JSON in `output_dir` (created if missing) and return the file path."""
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, filename)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-        os.replace(tmp, path)
+        write_text_no_follow(path, json.dumps(self.to_dict(), indent=2))  # a link there is replaced, not followed
         return path
 
 

@@ -1,21 +1,17 @@
-"""`guard/checkpoint_dirs.py`: checkpoint names with transformers' prefix, and write-then-rename publishing through
-the staging directory."""
+"""`guard/checkpoint_dirs.py`: checkpoint names with transformers' prefix, and the staging directory a checkpoint is
+written to (a real directory of this user's); publishing from it is tested in `test_publishing.py`."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from safe_trainers.guard.checkpoint_dirs import (
-    STAGING_DIR,
-    checkpoint_dir,
-    checkpoint_step,
-    checkpoints,
-    clean_staging,
-    publish,
-    staging_run_dir,
+    STAGING_DIR, checked_staging, checkpoint_dir, checkpoint_step, checkpoints, staging_run_dir,
 )  # fmt: skip
+from safe_trainers.guard.publishing import recover_staging
 
 
 def test_names_are_transformers_own_and_read_back_to_their_step(tmp_path):
@@ -33,20 +29,22 @@ def test_checkpoints_are_listed_by_step_not_by_name(tmp_path):
     assert checkpoints(str(tmp_path / "missing")) == []
 
 
-def test_publish_renames_a_staged_checkpoint_over_an_older_one_and_removes_the_empty_staging_dir(tmp_path):
-    run_dir = str(tmp_path)
-    staged = checkpoint_dir(staging_run_dir(run_dir), 4)
-    os.makedirs(staged)
-    (tmp_path / STAGING_DIR / "checkpoint-4" / "model.safetensors").write_text("new")
-    final = checkpoint_dir(run_dir, 4)
-    os.makedirs(final)
-    (tmp_path / "checkpoint-4" / "stale.bin").write_text("old")
-    publish(staged, final)
-    assert sorted(os.listdir(final)) == ["model.safetensors"] and not os.path.exists(tmp_path / STAGING_DIR)
-
-
-def test_clean_staging_removes_what_an_interrupted_save_left(tmp_path):
-    assert clean_staging(str(tmp_path)) == []
+def test_recovery_removes_what_an_interrupted_save_left(tmp_path):
+    assert recover_staging(str(tmp_path)) == []
     half = checkpoint_dir(staging_run_dir(str(tmp_path)), 8)
     os.makedirs(half)
-    assert clean_staging(str(tmp_path)) == [half] and not os.path.exists(tmp_path / STAGING_DIR)
+    removed = f"removed a half-written checkpoint left by an interrupted save: `{half}`"
+    assert recover_staging(str(tmp_path)) == [removed]
+    assert not os.path.exists(tmp_path / STAGING_DIR)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a directory to another user needs root")
+def test_a_staging_dir_of_another_user_is_refused(tmp_path):
+    staging = staging_run_dir(str(tmp_path))
+    os.makedirs(os.path.join(staging, "checkpoint-8"))
+    os.chown(staging, 54321, -1)
+    with pytest.raises(PermissionError, match=rf"`{staging}` belongs to another user \(uid 54321"):
+        recover_staging(str(tmp_path))
+    assert os.listdir(staging) == ["checkpoint-8"]
+    with pytest.raises(PermissionError):
+        checked_staging(str(tmp_path), create=True)
