@@ -95,3 +95,13 @@ def test_the_opt_in_runs_the_models_code(toy_models, tmp_path):
     assert marker.read_text() == "imported"
     assert "the model's own code was not run" not in output
     assert SECRET not in output  # `env:` is never applied nor shown, opt-in or not
+
+
+def test_the_launch_scripts_still_apply_env_as_trl_does(tmp_path, monkeypatch):
+    from safe_trainers.scripts.launch import parse_args
+
+    for name in (ENV_VAR, "HF_TOKEN"):  # set then unset: the original state (unset or not) comes back afterwards
+        monkeypatch.setenv(name, "before")
+        monkeypatch.delenv(name)
+    parse_args("dpo", ["--config", lint_config(tmp_path)], announce_cpu=False)
+    assert os.environ.get(ENV_VAR) == "set-by-the-config"  # TRL's parser's behaviour, kept for training
