@@ -22,6 +22,8 @@ examples:
 
 Arguments the check does not know are config overrides (TRL's flags, e.g. `--fp16 true`), as for the launch
 scripts; `--` before them is optional.
+The check runs nothing the config would: not the model's own code (`trust_remote_code: true`; `config.json` is read as
+data unless `--trust-remote-code` is given), and never the config's `env:` mapping (what it would set is shown).
 Exit codes: 0 no finding about your settings (a changed library default, such as TRL's `logging_nan_inf_filter=True`,
 is reported apart and does not count), 1 `safety_mode=strict` would fail, 2 the config is invalid for the target.
 A `reward_funcs` name the launch scripts cannot build (open-r1's `accuracy`, `code`, ...) is a warning on stderr and
@@ -43,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="Print the safety report for a config without training (exit 1 if `safety_mode=strict` would fail).",
         description="Runs the construction-time rules on a YAML config (the same file the launch scripts take) for "
         "the target hardware, and prints what they would change. Only `config.json` and the tokenizer files are read "
-        "from the model: no weight is loaded.",
+        "from the model: no weight is loaded, and none of the model's own code is run unless `--trust-remote-code`.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # an override such as `--model_init_kwargs` must never be read as one of these options
@@ -51,6 +53,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--trainer", required=True, choices=TRAINER_KINDS, help="Which trainer the config is for.")
     parser.add_argument("--config", required=True, help="A YAML config, as taken by `launch/train_<trainer>.py`.")
     parser.add_argument("--model", default=None, help="Model path or id (overrides `model_name_or_path`).")
+    parser.add_argument(
+        "--trust-remote-code",
+        "--trust_remote_code",
+        dest="trust_remote_code",
+        action="store_true",
+        help="With `trust_remote_code: true` in the config, run the model repository's own code "
+        "(`configuration_*.py`, `tokenization_*.py`, downloaded from the Hub if needed) to read its config and "
+        "tokenizer, as the trainer will. Without it, `config.json` is read as data and the report says so.",
+    )
     target = parser.add_argument_group(
         "target hardware",
         f"What the run will train on. Default: {DEFAULT_TARGET}. The report says what was assumed.",
@@ -153,6 +164,7 @@ def run(ns: argparse.Namespace) -> int:
         accelerate_config = target.read_yaml(ns.accelerate_config) if ns.accelerate_config else None
         launch = target.launch_from(accelerate_config, ns.num_processes)
         config = dict(check_argv(["--config", ns.config, *overrides]).settings)  # read once, and judged
+        config, env = target.hold_env(config)  # TRL's parser would apply it to this process
         config, overrides, held = target.hold_target_fields(config, overrides)
         target_values = target.target_values(held)
     except (ValueError, OSError) as error:
@@ -164,7 +176,7 @@ def run(ns: argparse.Namespace) -> int:
         # transformers validates bf16 against *this* machine while parsing; the lint is for the target, so parse as
         # a CPU config here (the target's facts, not `use_cpu`, are what the rules read).
         overrides += ["--use_cpu", "true"]
-    config_class = target.config_class_for(kind_config(ns.trainer), launch.num_processes)
+    config_class = target.config_class_for(kind_config(ns.trainer), launch.num_processes, hardware.accelerator)
     problems = target.target_problems(target_values, hardware)
     warnings_, found = [], []
     try:
@@ -196,13 +208,15 @@ def run(ns: argparse.Namespace) -> int:
         training_args.mixed_precision = str(launcher_precision).lower() if launcher_precision else "no"
     model, training_args, peft_config = model_and_peft(ns.trainer, model_args, training_args)
     setup = build_setup(
-        ns.trainer, training_args, model, peft_config=peft_config, hardware=hardware, explicit_args=explicit
+        ns.trainer, training_args, model, peft_config=peft_config, hardware=hardware, explicit_args=explicit,
+        trust_remote_code=ns.trust_remote_code,
     )
     settings = SafetyArguments.from_config(training_args)
     _, report = run_setup_rules(setup, settings, raise_blocked=False)
     report.hardware = f"{hardware.source}; {launch.describe()}"
-    for note in notes:
-        print(f"note: {note}")
+    for note in [*notes, target.env_note(env)]:
+        if note:
+            print(f"note: {note}")
     if setup.model_config is None and model and not any(p.local and p.setting == "model_name_or_path" for p in found):
         print(
             f"note: could not read `config.json` for `{model}` and its name says no known family; model-specific "

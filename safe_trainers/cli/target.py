@@ -3,7 +3,11 @@
 The lint runs where the run is planned, not where it trains. transformers validates a few fields against the machine
 that parses the config (`tf32` needs an Ampere GPU, `ddp_backend="nccl"` needs CUDA), and TRL derives the GRPO/RLOO
 generation batch from the number of processes. So those fields are held aside while parsing and judged here for the
-target instead, and the config is parsed as it would be by each of the target's processes.
+target instead, and the config is parsed as it would be by each of the target's processes, without setting up this
+machine's devices (no accelerate state, process group or CUDA context).
+
+The lint runs nothing the config would: TRL's `env:` mapping, which TRL's parser applies to the process that parses,
+is held aside too and only reported.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ..redact import shown
 from ..rules.hardware import BF16_MIN_CAPABILITY, Hardware, gpu_capability
 
 
@@ -94,6 +99,33 @@ def hold_target_fields(config: dict[str, Any], overrides: Sequence[str]) -> tupl
     return rest, kept, held
 
 
+def hold_env(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split TRL's `env:` mapping out of the config, so that parsing it sets no environment variable here. Pure.
+
+    Returns:
+        `(config without it, {variable: value})`.
+
+    Raises:
+        ValueError: when `env` is not a mapping (TRL's parser refuses it too).
+    """
+    env = config.get("env", {})
+    if not isinstance(env, dict):
+        raise ValueError(
+            f"`env={shown('env', env)}` in the `--config` file is not a mapping of environment variables. Write one "
+            "`NAME: value` line per variable under `env:`, or remove it."
+        )
+    return {key: value for key, value in config.items() if key != "env"}, dict(env)
+
+
+def env_note(env: dict[str, Any]) -> str | None:
+    """The line saying what the config's `env:` would set, credentials hidden; `None` without one. Pure."""
+    if not env:
+        return None
+    listed = ", ".join(f"`{name}={shown(str(name), str(value))}`" for name, value in env.items())
+    return (f"`env:` in the `--config` file was not applied by the check (the launch scripts apply it, as TRL does): "
+            f"{listed}.")  # fmt: skip
+
+
 def as_bool(value: Any) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
@@ -152,20 +184,47 @@ def config_file(config: dict[str, Any]) -> Iterator[str]:
         os.unlink(path)
 
 
-def config_class_for(config_class: type, num_processes: int) -> type:
-    """`config_class` parsed as by each process of a launch with `num_processes` processes: its `world_size` (from
-    which TRL derives the GRPO/RLOO generation batch) is the launch's, not this machine's."""
-    if num_processes == 1:
-        return config_class
-    return type(config_class.__name__, (config_class,), {"world_size": property(lambda self: num_processes)})
+class LintDevices:
+    """The devices of a config parsed for the target, not set up on this machine: transformers' `__post_init__` reads
+    `self.device` (TRL's `pad_to_multiple_of="auto"` too), which would reset accelerate's state and build a
+    `PartialState` here (a process group under a launcher's environment, a CUDA context on a GPU).
+
+    The device is the target's accelerator (`cpu` with `use_cpu`), and `world_size` the launch's process count, from
+    which TRL derives the GRPO/RLOO generation batch."""
+
+    lint_accelerator = "cuda"
+    lint_processes = 1
+    distributed_state = None  # no accelerate state: `process_index` 0, as for one process of the launch
+
+    @property
+    def _setup_devices(self):
+        import torch
+
+        cpu = self.use_cpu or self.lint_accelerator == "cpu"
+        self._n_gpu = 0 if cpu else 1
+        return torch.device("cpu" if cpu else self.lint_accelerator)
+
+    @property
+    def world_size(self) -> int:
+        return self.lint_processes
+
+
+def config_class_for(config_class: type, num_processes: int, accelerator: str = "cuda") -> type:
+    """`config_class` parsed as by each process of a launch with `num_processes` processes on `accelerator`, setting
+    up no device here (see [`LintDevices`])."""
+    namespace = {"lint_accelerator": accelerator, "lint_processes": num_processes}
+    return type(config_class.__name__, (LintDevices, config_class), namespace)
 
 
 __all__ = [
     "Launch",
+    "LintDevices",
     "TARGET_FIELDS",
     "config_class_for",
     "config_file",
+    "env_note",
     "explicit_fields",
+    "hold_env",
     "hold_target_fields",
     "launch_from",
     "read_yaml",

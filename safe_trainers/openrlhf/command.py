@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..redact import mask_secret
+from ..redact import shown as shown_value
 from ..rules.report import REMOVED, Change
 from .flags import Generation, flag_kind, flags_for, known_flags, resolve
 from .models import ModelInfo
@@ -188,7 +190,7 @@ class CommandView:
             value = int(raw) if flag_kind(flag) == "int" else float(raw)
         except ValueError:
             kind = "an integer" if flag_kind(flag) == "int" else "a number"
-            raise _bad_value(flag, self.occurrences(flag)[-1], f"needs {kind}, got {raw!r}") from None
+            raise _bad_value(flag, self.occurrences(flag)[-1], f"needs {kind}, got {shown_value(flag, raw)}") from None
         return value
 
     def validate(self) -> None:
@@ -204,7 +206,7 @@ class CommandView:
 def shown(view: CommandView, flag: str) -> str:
     """`--flag value` as the rule read it (`--flag` for a switch)."""
     value = view.value(flag)
-    return f"`{flag}`" if value is None else f"`{flag} {value}`"
+    return f"`{flag}`" if value is None else f"`{flag} {mask_secret(flag, value)}`"
 
 
 def model_paths(view: CommandView) -> list[tuple[str, str]]:

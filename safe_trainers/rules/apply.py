@@ -81,16 +81,28 @@ def replace_args(args: Any, changes: list[Change], deepspeed_config: dict | None
 def copy_config(args: Any, **changes: Any) -> Any:
     """`dataclasses.replace(args, **changes)`, keeping the record of the group check that `args` passed (see
     [`~safe_trainers.rules.grpo.group_checked`]): the copy's `__post_init__` checks the group again only if `changes`
-    changed it."""
+    changed it.
+
+    The copy shares the devices `args` set up unless `changes` touch a field they depend on (`DEVICE_FIELDS`):
+    transformers' `__post_init__` reads `self.device`, which would reset accelerate's state (the user's own
+    `Accelerator` included) and set it up again."""
     new = object.__new__(type(args))
     if hasattr(args, CHECKED_GROUP):
         setattr(new, CHECKED_GROUP, getattr(args, CHECKED_GROUP))  # set first: `__init__` sets only the fields
+    if DEVICE_SETUP in vars(args) and not DEVICE_FIELDS & set(changes):
+        for name in (DEVICE_SETUP, *DEVICE_STATE):  # the cached device and what setting it up recorded
+            if name in vars(args):
+                vars(new)[name] = vars(args)[name]
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     new.__init__(**{**values, **changes})
     return new
 
 
 _DERIVED_FIELDS = {"steps_per_generation": "generation_batch_size"}
+# transformers' cached device (`TrainingArguments._setup_devices`), what it records, and the fields it is made from.
+DEVICE_SETUP = "_setup_devices"
+DEVICE_STATE = ("distributed_state", "_n_gpu")
+DEVICE_FIELDS = frozenset({"use_cpu", "ddp_backend", "ddp_timeout", "deepspeed", "accelerator_config"})
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kinds import TRAINER_KINDS, get_kind  # noqa: F401 (`TRAINER_KINDS` re-exported)
+from .config_data import code_not_run_note, config_as_data
 from .families import family_from_name
 from .hardware import Hardware
 
@@ -54,6 +55,9 @@ class TrainerSetup:
         explicit_args (`frozenset[str] | None`):
             The config fields the user set, when that is known (`safe-trainers check` reads them from the YAML file
             and the overrides); `None` for a config object, see [`~TrainerSetup.user_set`].
+        code_not_run (`bool`):
+            `args.trust_remote_code` is set but the model's own code was not run (`safe-trainers check` without
+            `--trust-remote-code`): `model_config` was read as data (see [`~safe_trainers.rules.config_data`]).
     """
 
     kind: str
@@ -68,16 +72,21 @@ class TrainerSetup:
     tokenizer: Any = None
     inferred_family: str | None = None
     explicit_args: frozenset[str] | None = None
+    code_not_run: bool = False
 
     @property
     def assumptions(self) -> list[str]:
         """What the rules assumed about the model, for the report (empty when everything was read)."""
-        if self.inferred_family is None:
-            return []
-        return [
-            f"`{self.model_name}` is a `{self.inferred_family}` model, inferred from the name: its `config.json` "
-            "could not be read, so the rules used that family's default config."
-        ]
+        notes = []
+        if self.code_not_run:
+            tokenizer_read = self.tokenizer is not None if self.kind in TOKENIZER_KINDS else None
+            notes.append(code_not_run_note(None if self.inferred_family else self.model_config, tokenizer_read))
+        if self.inferred_family is not None:
+            notes.append(
+                f"`{self.model_name}` is a `{self.inferred_family}` model, inferred from the name: its `config.json` "
+                "could not be read, so the rules used that family's default config."
+            )
+        return notes
 
     def user_set(self, name: str) -> bool:
         """Whether the user set config field `name` rather than leaving the library default.
@@ -195,18 +204,26 @@ def build_setup(
     processing_class: Any = None,
     hardware: Hardware | None = None,
     explicit_args: frozenset[str] | None = None,
+    trust_remote_code: bool | None = None,
 ) -> TrainerSetup:
     """Gather a [`TrainerSetup`] for `kind` from the trainer's arguments (reads `config.json` and the tokenizer files,
-    loads no weight)."""
-    trust_remote_code = getattr(args, "trust_remote_code", False)
+    loads no weight).
+
+    `trust_remote_code=False` reads a model whose config says `trust_remote_code=True` without running its own code
+    (`safe-trainers check`): `config.json` as data, the report says so. `None` (the trainers) follows `args`."""
+    wanted = bool(getattr(args, "trust_remote_code", False))
+    trusted = wanted if trust_remote_code is None else trust_remote_code and wanted
+    code_not_run = wanted and not trusted and isinstance(model, str)
     revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
-    model_config = read_model_config(model, trust_remote_code=trust_remote_code, revision=revision)
+    model_config = read_model_config(model, trust_remote_code=trusted, revision=revision)
+    if model_config is None and code_not_run:
+        model_config = config_as_data(model, revision)
     inferred_family = None
     if model_config is None:
         model_config, inferred_family = config_from_name(model)
     tokenizer = processing_class
     if tokenizer is None and kind in TOKENIZER_KINDS:
-        tokenizer = read_tokenizer(model, model_config, trust_remote_code=trust_remote_code, revision=revision)
+        tokenizer = read_tokenizer(model, model_config, trust_remote_code=trusted, revision=revision)
     return TrainerSetup(
         kind=kind,
         args=args,
@@ -220,6 +237,7 @@ def build_setup(
         tokenizer=tokenizer,
         inferred_family=inferred_family,
         explicit_args=explicit_args,
+        code_not_run=code_not_run,
     )
 
 

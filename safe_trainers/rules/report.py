@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..files import write_text_no_follow
+from ..redact import mask_secret
 
 
 Action = Literal["fixed", "warned", "blocked", "skipped"]
@@ -68,6 +69,9 @@ class Change:
             The value before the change (`REMOVED` if the setting did not exist).
         new (`Any`):
             The value after the change (`REMOVED` if the setting is deleted).
+
+    A credential's value (`args.hub_token`, a `token` in `model_init_kwargs`) is shown as `<hidden>` in the summary and
+    in the JSON report (see [`~safe_trainers.redact.mask_secret`]).
     """
 
     path: str
@@ -75,7 +79,11 @@ class Change:
     new: Any
 
     def render(self) -> str:
-        return f"{self.path}: {_short(self.old)} -> {_short(self.new)}"
+        return f"{self.path}: {_short(self.shown(self.old))} -> {_short(self.shown(self.new))}"
+
+    def shown(self, value: Any) -> Any:
+        """`value` (`old` or `new`) as the report shows it: a credential's hidden."""
+        return value if value is REMOVED else mask_secret(self.path, value)
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,9 @@ class Finding:
             "rule_id": self.rule_id,
             "action": self.action,
             "message": self.message,
-            "changes": [{"path": c.path, "old": _jsonable(c.old), "new": _jsonable(c.new)} for c in self.changes],
+            "changes": [
+                {"path": c.path, "old": _jsonable(c.shown(c.old)), "new": _jsonable(c.shown(c.new))} for c in self.changes
+            ],
             "library_default": self.library_default,
         }
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..redact import shown
 from .argv import config_path, join_negative_values, normalize_argv, resume_target  # the command line, re-exported
 from .hub import HubAccess
 from .places import DATA_FILE_EXTENSIONS, ConfigFile, Place
@@ -61,7 +62,7 @@ class InputProblem:
 
     Args:
         setting (`str`): the setting's name, as on the command line without `--`.
-        value (`Any`): the value received.
+        value (`Any`): the value received (a credential's is shown as `<hidden>`, see [`~safe_trainers.redact`]).
         problem (`str`): what is wrong, completing "`setting=value` ...".
         fix (`str`): what to do instead.
         local (`bool`): the problem is about what this machine holds, not about the value (`check` notes it).
@@ -75,7 +76,7 @@ class InputProblem:
 
     @property
     def message(self) -> str:
-        return f"`{self.setting}={self.value!r}` {self.problem}. {self.fix}"
+        return f"`{self.setting}={shown(self.setting, self.value)}` {self.problem}. {self.fix}"
 
 
 class InputError(ValueError):
