@@ -189,6 +189,7 @@ OTHERS: tuple[T, ...] = (
         T(owner, name, kind, uses, "<=2.13 (not bisected)", "restarts/compile_watch.py",
           f"TorchDynamo's compile hooks: {purpose}", (COMPILE_TEST,))
         for owner, name, kind, uses, purpose in (
+            ("torch", "_dynamo", "variable", "imports", "the module of the compile hooks (`torch._dynamo.callback`)"),
             ("torch._dynamo.callback", "callback_handler", "variable", "reads",
              "the handler that runs callbacks when a compilation starts and ends"),
             ("torch._dynamo.callback:CompilationCallbackHandler", "register_start_callback", "method", "calls",

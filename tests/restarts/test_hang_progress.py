@@ -70,9 +70,10 @@ def test_a_step_that_died_while_compiling_twice_is_not_poisoned(tmp_path):
 # ---------------------------------------------------------------------------------------------------- real runs
 def test_a_step_that_compiles_past_the_bound_finishes(toy_models, tmp_path, no_agent):
     # The model is compiled with a backend that takes 6 s, past the 4 s bound: at the first step (its first compile)
-    # and at the first recompile on a new sequence length after two steps were timed. Before, the watchdog took the compile for a hang
-    # and ended the process with status 124 (here: pytest itself). Now the compile stops the step's clock: the run
-    # finishes, with no stacks and no `hang` event, and the step record said "compile" while the compiler ran.
+    # and at the first recompile on a new sequence length after two steps were timed. Before, the watchdog took the
+    # compile for a hang and ended the process with status 124 (here: pytest itself). Now the compile stops the
+    # step's clock: the run finishes, with no stacks and no `hang` event, and the step record said "compile" while
+    # the compiler ran.
     compiles: list[tuple[int, str | None]] = []
     holder: dict = {}
 
@@ -88,7 +89,8 @@ def test_a_step_that_compiles_past_the_bound_finishes(toy_models, tmp_path, no_a
     model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
     model.compile(backend=slow_backend)
     trainer = build_trainer(
-        "sft", model, tmp_path / "out", preset="guarded", max_steps=6, save_strategy="no", bf16=False, hang_timeout=4,
+        "sft", model, tmp_path / "out", preset="guarded", max_steps=6, save_strategy="no", bf16=False,
+        hang_timeout=4,
     )  # fmt: skip
     holder["trainer"] = trainer
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # each new sequence length compiles again
