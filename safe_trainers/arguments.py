@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 SafetyMode = Literal["fix", "warn", "strict", "off"]
 SAFETY_MODES: tuple[str, ...] = ("fix", "warn", "strict", "off")
+HANG_ACTIONS: tuple[str, ...] = ("auto", "exit", "report")  # see `safe_trainers/restarts/hang_report.py`
 ROLLBACK_SOURCES: tuple[str, ...] = ("memory", "checkpoint")
 
 
@@ -170,12 +171,22 @@ class SafetyArguments:
     hang_timeout: float = field(
         default=900.0,
         metadata={
-            "help": "Ceiling, in seconds, on a step's time before the run is taken for hung (stacks written, exit "
-            "124, restart); the bound learned from the run's steps is usually far lower (0 disables)."
+            "help": "Ceiling, in seconds, on a step's time (compilation not counted) before the run is taken for "
+            "hung (stacks written, see `hang_action`); the bound learned from the run's steps is usually far lower "
+            "(0 disables)."
         },
     )
     hang_timeout_factor: float = field(
         default=10.0, metadata={"help": "The learned hang bound in multiples of the slowest step timed so far."}
+    )
+    hang_action: str = field(
+        default="auto",
+        metadata={
+            "help": "What a hang does after its stacks are written: `\"exit\"` ends the process with status 124 (for "
+            "a restart), `\"report\"` logs it and goes on, `\"auto\"` exits only under torchrun's elastic agent "
+            "with restarts to give (`--max-restarts` > 0).",
+            "choices": list(HANG_ACTIONS),
+        },
     )
 
     def __post_init__(self):
@@ -225,6 +236,7 @@ def validate_safety_arguments(settings: Any) -> None:
         settings.preempt_signals = [s for s in settings.preempt_signals.replace(",", " ").split() if s]
     parse_signals(settings.preempt_signals)
     checks = [
+        ("hang_action", settings.hang_action in HANG_ACTIONS, f"one of {list(HANG_ACTIONS)}"),
         ("hang_timeout", math.isfinite(settings.hang_timeout) and settings.hang_timeout >= 0, "a number >= 0 (0 off)"),
         ("hang_timeout_factor", settings.hang_timeout_factor > 1, "a number > 1"),
         ("nan_snapshot_steps", settings.nan_snapshot_steps >= 1, "an integer >= 1"),

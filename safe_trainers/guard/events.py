@@ -14,7 +14,7 @@ from ..files import open_append_no_follow, write_text_no_follow
 
 EventKind = Literal[
     "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt",
-    "spike",
+    "spike", "hang",
 ]
 EVENTS_FILE = "nan_events.jsonl"
 # The longest line of the event log read (an event is a few hundred bytes; a `resume` event with many passed-over
@@ -38,7 +38,9 @@ class NanEvent:
             passed over and why, which earlier processes died where), `"poison"` (a step's batches killed the
             process several times in a row and are skipped: which micro-batches, which attempts died), `"preempt"`
             (a preemption signal: which ranks received it, and the step of the checkpoint published before exiting),
-            `"spike"` (the step's loss or gradient norm spiked far above the recent steps': its update was skipped).
+            `"spike"` (the step's loss or gradient norm spiked far above the recent steps': its update was skipped),
+            `"hang"` (a step ran past the hang bound: the seconds, the bound, the stacks file, whether the process
+            exited).
         nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
             `"rewards"`, `"advantages"`.
         ranks (`list[int]`): the ranks where the loss was non-finite (all ranks see a non-finite gradient norm).

@@ -10,8 +10,9 @@ One module per decision or action:
 * `step_record`: the step record kept on disk across restarts, and the poisoned-step decision;
 * `record_callback`: the callback that keeps the step record and drops a poisoned step's batches;
 * `rotation`: the `save_total_limit` rotation that keeps a run's own newest checkpoint;
-* `preemption`, `watchdog`, `run_control`: a preemption signal becomes a checkpoint and exit 75, a hung step exit 124;
-  `run_control` wires both into a guarded trainer.
+* `preemption`, `watchdog`, `hang_report`, `compile_watch`, `run_control`: a preemption signal becomes a checkpoint
+  and exit 75, a hung step its stacks and exit 124 where the elastic agent restarts the process (a report elsewhere);
+  compilation is not a hang; `run_control` wires them into a guarded trainer.
 
 Crash restarts and the healthy resume run with `nan_guard=False` too; preemption and the watchdog ride on the guard's
 per-step all-reduce and verified saves, so they are attached with the guard.

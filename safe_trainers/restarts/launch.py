@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 RUN_ID = "TORCHELASTIC_RUN_ID"
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 _ATTEMPT_DIR = re.compile(r"^attempt_\d+$")
 
 
@@ -119,3 +120,11 @@ class TrainCalls:
     def reset(cls) -> None:
         """Forget the calls made so far, as a new process would (for tests that restart a script in-process)."""
         cls._calls.clear()
+
+
+def will_restart(env: Mapping[str, str]) -> bool:
+    """Whether an elastic agent started this process and may restart it: torchrun's agent names itself in the
+    worker's environment (`TORCHELASTIC_RESTART_COUNT`) and says how many restarts it gives
+    (`TORCHELASTIC_MAX_RESTARTS`, `--max-restarts`; 0 restarts nothing). A plain `python` run or a notebook has
+    neither."""
+    return RESTART_COUNT in env and env.get(MAX_RESTARTS, "1") != "0"

@@ -1,9 +1,9 @@
 """`StepProgressCallback`: keeps the step record on disk and skips the batches of a poisoned step.
 
-The record (see `step_record.py`) is rewritten by the main process when each optimizer step begins and ends, when a
-checkpoint is published (the record lists the launch's checkpoints), and when training ends (with what `train()`
-returns). A step whose batches killed the process `skip_step_after_crashes` times in a row is
-*poisoned*: when it comes, its micro-batches are taken from the dataloader as usual (so every other step reads exactly
+The record (see `step_record.py`) is rewritten by the main process when each optimizer step begins and ends, when torch
+begins and ends a compilation inside a step, when a checkpoint is published (the record lists the launch's
+checkpoints), and when training ends (with what `train()` returns). A step whose batches killed the process
+`skip_step_after_crashes` times in a row is *poisoned*: when it comes, its micro-batches are taken from the dataloader as usual (so every other step reads exactly
 the batches it would have) but not trained: no forward, no backward, no update. The guard counts it as a skipped step
 (`nan_guard/skipped_steps`, a `skip` event) and a `poison` event says which batches and which attempts died on them;
 `global_step` and the LR schedule go on, as for any skipped step, and the run ends at `max_steps`.
@@ -78,6 +78,17 @@ class StepProgressCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self._save(state.global_step, "finished")
+
+    def compile_began(self) -> None:
+        """torch began compiling (see `compile_watch.py`): inside a step, the record says the step is compiling."""
+        step, phase = self._last
+        if phase == "step":
+            self._save(step, "compile")
+
+    def compile_ended(self) -> None:
+        step, phase = self._last
+        if phase == "compile":
+            self._save(step, "step")
 
     def published(self, run_dir: str, step: int) -> None:
         """The trainer published `checkpoint-<step>` (and rotated): the record lists the steps of this launch's

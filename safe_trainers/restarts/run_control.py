@@ -7,7 +7,8 @@ through its verified, staged `_save_checkpoint`, and the watchdog's exits are de
 Callback order, right after transformers' flow callback: [`PreemptionCallback`] (decides at `on_step_end` whether
 this step is the one every rank stops at, and asks it to save, before the guard verifies), the step record, the
 guard, then [`HangWatchdog`] (its `on_step_end` comes after the guard's inspection, so the inspection's collectives
-are timed with the step).
+are timed with the step). [`CompileWatch`] (anywhere in the list) tells the step record and the watchdog when torch
+compiles (see `compile_watch.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from ..guard.callback import NanGuardCallback
 from ..guard.checkpoint_dirs import checkpoint_step
 from ..guard.collectives import ranks_with_flag
 from ..guard.events import NanEvent
+from .compile_watch import CompileWatch
+from .hang_report import hang_exits
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback, parse_signals
 from .resume_plan import restart_count
 from .watchdog import HangWatchdog, generation_period
@@ -31,8 +34,8 @@ logger = logging.getLogger("safe_trainers")
 
 
 def attach_run_control(trainer: Any, settings: Any) -> None:
-    """Add the preemption callback (with `preempt_signals`) and the hang watchdog (with `hang_timeout > 0`) to a
-    trainer whose guard and step record are already in its callback list."""
+    """Add the preemption callback (with `preempt_signals`), the hang watchdog (with `hang_timeout > 0`) and the
+    compile watch to a trainer whose guard and step record are already in its callback list."""
     guard = trainer.nan_guard
     callbacks = trainer.callback_handler.callbacks
     signals = parse_signals(settings.preempt_signals)
@@ -40,15 +43,21 @@ def attach_run_control(trainer: Any, settings: Any) -> None:
         trainer.preemption = guard.preemption = PreemptionCallback(guard, signals)
         flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
         callbacks.insert(flow + 1, trainer.preemption)
+    listeners: list[Any] = [trainer.step_progress]
     if settings.hang_timeout > 0:
         args = trainer.args
         watchdog = HangWatchdog(
             args.output_dir, args.process_index, settings.hang_timeout, settings.hang_timeout_factor,
             attempt=restart_count(os.environ), learn_after=generation_period(args),
+            exits=hang_exits(settings.hang_action, os.environ), action=settings.hang_action,
+            on_hang=lambda step, detail: guard.events.add(NanEvent(step, "hang", [], [args.process_index], detail)),
         )  # fmt: skip
         trainer.hang_watchdog = guard.watchdog = watchdog
         at = next(i for i, cb in enumerate(callbacks) if isinstance(cb, NanGuardCallback))
         callbacks.insert(at + 1, watchdog)
+        listeners.append(watchdog)
+    trainer.compile_watch = CompileWatch(listeners)
+    callbacks.append(trainer.compile_watch)
 
 
 def after_boundary(trainer: Any) -> None:
@@ -60,7 +69,10 @@ def after_boundary(trainer: Any) -> None:
 
 
 def after_train(trainer: Any) -> None:
-    """When `train()` leaves, by a return or an exception: the signal handlers go back and the watchdog stops."""
+    """When `train()` leaves, by a return or an exception: the signal handlers go back, the compile hooks are removed
+    and the watchdog stops."""
+    if getattr(trainer, "compile_watch", None) is not None:
+        trainer.compile_watch.unregister()
     if getattr(trainer, "hang_watchdog", None) is not None:
         trainer.hang_watchdog.stop()
     if getattr(trainer, "preemption", None) is not None:

@@ -9,7 +9,9 @@ died inside a step (and which) or between steps (logging, saving, evaluating, fe
 The decisions are pure: [`inherit`] turns the previous record into the new process's [`History`], and [`poison`] names
 the step whose batches killed the process `times` times in a row. Only a death *inside* a step counts; the same step
 means the same batches, because a resumed run reads exactly the batches of an uninterrupted one and `data` (the
-world size, batch sizes, seeds and dataset length) must match.
+world size, batch sizes, seeds and dataset length) must match. A death while torch compiled inside the step (phase
+`"compile"`, see `compile_watch.py`) is not the batches' doing either: the restarted step compiles again, and a
+compilation that takes long, or is killed with another rank's hang, twice would otherwise skip a healthy step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ KEPT_DEATHS = 16
 # The largest step record read (a few hundred bytes; a few KB with many deaths and checkpoints).
 RECORD_LIMIT = 2**20
 
-Phase = Literal["step", "between", "finished"]
+Phase = Literal["step", "compile", "between", "finished"]
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ class Progress:
     [`ProgressWriter`]); [`from_json`] reads that object back, and records of older versions too.
 
     Args:
-        step (`int`): the step running (`phase="step"`) or last finished (`"between"`, `"finished"`: training ended).
-        phase (`str`): `"step"`, `"between"` or `"finished"`.
+        step (`int`): the step running (`phase="step"`, `"compile"`: torch is compiling inside it) or last finished
+            (`"between"`, `"finished"`: training ended).
+        phase (`str`): `"step"`, `"compile"`, `"between"` or `"finished"`.
         data (`str`): what makes a step number name the same batches (see [`data_identity`]).
         history ([`History`]): the run's history as the writing process held it (`history.attempt`: its number in
             the run).
@@ -169,7 +172,7 @@ def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: 
     history = previous.history
     deaths = history.deaths
     if previous.phase != "finished":
-        step = previous.step if previous.phase == "step" else None
+        step = previous.step if previous.phase == "step" else None  # died compiling or between steps: no step
         deaths = (deaths + (Death(history.attempt, step),))[-KEPT_DEATHS:]
     poisoned = history.poisoned
     found = poison(deaths, skip_after)

@@ -18,19 +18,27 @@ time a whole generation cycle, [`generation_period`]), the ceiling `hang_timeout
 `hang_timeout_factor` times the slowest step, at least `HANG_FLOOR` seconds, never above the ceiling. With the
 defaults a run of one-second steps is taken for hung after 120 s.
 
+Time is progress's, not the wall clock's: while torch compiles (its compile hooks, see `compile_watch.py`; the
+forward, the lazily compiled backward, autotuning, cudagraph recording) the step's clock stops, as it does for the
+guard's known long phases ([`HangWatchdog.paused`]); checkpoint loading happens before training begins or in a
+rollback, neither timed. A step that compiled is given, once its compilation ended, as long again on top of the bound:
+the other ranks compile the same graphs, and a rank that finished first waits for the slowest in the step's
+collective.
+
 A step past the bound makes the rank write the Python stacks of all its threads to
-`output_dir/hang-stacks-rank<r>.txt` (appended, one block per hang) and end with `os._exit(HUNG_EXIT_CODE)`. The other
-ranks, blocked in a collective that waits for it, pass the bound too and do the same; torchrun's agent then restarts
-the workers, which resume from the newest healthy checkpoint. The step record still names the step, so a hang counts
-like a crash for `skip_step_after_crashes`: a step that hangs twice in a row is skipped on the next attempt.
+`output_dir/hang-stacks-rank<r>.txt` (appended, one block per hang), log an error and record a `hang` event; then,
+under torchrun's elastic agent with restarts to give (or with `hang_action="exit"`), it ends with
+`os._exit(HUNG_EXIT_CODE)`; elsewhere the process goes on (see `hang_report.py`). The other ranks, blocked in a
+collective that waits for it, pass the bound too and do the same; the agent then restarts the workers, which resume
+from the newest healthy checkpoint. The step record still names the step, so a hang counts like a crash for
+`skip_step_after_crashes`: a step that hangs twice in a row is skipped on the next attempt (a death while compiling
+never counts, see `step_record.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,11 +46,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..files import open_append_no_follow
+from .hang_report import HUNG_EXIT_CODE, exit_hung, hang_message, hang_plan_line, stacks_path, write_stacks
 
 logger = logging.getLogger("safe_trainers")
 
-HUNG_EXIT_CODE = 124  # as `timeout(1)`: the command ran past its time limit
 HANG_FLOOR = 120.0  # seconds: the learned bound is never below this
 LEARN_AFTER = 2  # steps timed (after each process's first) before the bound is learned
 POLL = 0.5  # seconds between the watchdog thread's looks at the clock
@@ -81,12 +88,9 @@ def generation_period(args: Any) -> int:
     return max(1, -(-micro // accumulation))
 
 
-def stacks_path(output_dir: str, rank: int) -> str:
-    return os.path.join(output_dir, f"hang-stacks-rank{rank}.txt")
-
-
 class HangWatchdog(TrainerCallback):
-    """Times each step on the host and ends the process when one passes the bound (see the module docstring).
+    """Times each step on the host and reports, or ends the process, when one passes the bound (see the module
+    docstring).
 
     Args:
         output_dir (`str`): where the stacks are written.
@@ -96,6 +100,11 @@ class HangWatchdog(TrainerCallback):
         attempt (`int`): the elastic agent's restart count, written with the stacks.
         learn_after (`int`): the steps timed before the bound is learned (`LEARN_AFTER`, or a generation cycle).
         clock (`Callable[[], float]`): the monotonic clock (`time.monotonic`).
+        exits (`bool`): a hang ends the process (`hang_action`, see `hang_report.hang_exits`); otherwise it is
+            reported and the process goes on.
+        action (`str`): `hang_action`, named in the start-up line.
+        on_hang (`Callable[[int, dict], Any]`, *optional*): called with the step and the hang's detail (the `hang`
+            event), in the watchdog's thread, before the process exits.
     """
 
     def __init__(
@@ -107,13 +116,24 @@ class HangWatchdog(TrainerCallback):
         attempt: int = 0,
         clock: Callable[[], float] = time.monotonic,
         learn_after: int = LEARN_AFTER,
+        exits: bool = True,
+        action: str = "auto",
+        on_hang: Callable[[int, dict], Any] | None = None,
     ):
         self.output_dir, self.rank, self.attempt, self.clock = output_dir, rank, attempt, clock
         self.ceiling, self.factor, self.learn_after = ceiling, factor, max(LEARN_AFTER, learn_after)
+        self.exits, self.action, self.on_hang = exits, action, on_hang
         self.slowest: float | None = None
         self.timed = 0
         self._step = 0
-        self._began: float | None = None  # set while a step runs (read by the thread: one attribute, atomic)
+        self._began: float | None = None  # set while a step runs and is timed (read by the thread: one attribute)
+        self._lock = threading.Lock()  # `hold`/`release` may come from another thread (a compilation's hooks)
+        self._holds = 0  # paused blocks and compilations running now
+        self._held: float | None = None  # the step's `_began` while held
+        self._held_at = 0.0
+        self._compile_at: float | None = None
+        self._grace = 0.0  # seconds added to the bound in this step: its compilations' time
+        self._reported = False  # this step's hang was reported (the process went on)
         self._first = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -121,17 +141,20 @@ class HangWatchdog(TrainerCallback):
     # ------------------------------------------------------------------ heartbeats (the training loop)
     def on_train_begin(self, args, state, control, **kwargs: Any):
         self.start()
+        if state.is_world_process_zero:
+            logger.info(hang_plan_line(self.exits, self.action, self.ceiling, self.factor))
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self._step = state.global_step + 1
-        self._began = self.clock()
+        self._restart_clock(self.clock())
 
     def on_step_end(self, args, state, control, **kwargs: Any):
-        began, self._began = self._began, None
+        with self._lock:
+            began, self._began, self._held = self._began, None, None
         if began is None:
             return
         took = self.clock() - began
-        if self._first:  # compilation, allocator and communicator warm-up: not a step to learn from
+        if self._first or self._reported:  # warm-up (allocator, communicators), or a step reported as hung
             self._first = False
             return
         self.slowest = took if self.slowest is None else max(self.slowest, took)
@@ -140,29 +163,66 @@ class HangWatchdog(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.stop()
 
+    def _restart_clock(self, now: float | None) -> None:
+        with self._lock:
+            self._began, self._held, self._grace, self._reported = now, None, 0.0, False
+            if self._holds:  # a compilation in another thread goes on: the new clock starts held
+                self._held, self._began = now, None
+
+    # ------------------------------------------------------------------ known long phases: not timed
+    def hold(self) -> None:
+        """Stop the step's clock (nested holds count: it goes on when the last is released)."""
+        with self._lock:
+            self._holds += 1
+            if self._holds == 1:
+                self._held, self._began = self._began, None
+                self._held_at = self.clock()
+
+    def release(self) -> None:
+        """Let the step's clock go on from where [`hold`] stopped it."""
+        with self._lock:
+            if self._holds == 0:
+                return
+            self._holds -= 1
+            if self._holds == 0:
+                if self._held is not None:
+                    self._began = self._held + (self.clock() - self._held_at)
+                self._held = None
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Not timed: the step's clock stops while the block runs (a snapshot's copy of the whole state)."""
-        began, self._began = self._began, None
-        start = self.clock()
+        self.hold()
         try:
             yield
         finally:
-            if began is not None:  # the clock goes on from where it stopped
-                self._began = began + (self.clock() - start)
+            self.release()
+
+    def compile_began(self) -> None:
+        """torch began compiling (see `compile_watch.py`): not timed."""
+        self._compile_at = self.clock()
+        self.hold()
+
+    def compile_ended(self) -> None:
+        """The compilation ended: the clock goes on, and the step may take as long again as the compilation took
+        (the other ranks compile the same graphs and may still be at it)."""
+        began, self._compile_at = self._compile_at, None
+        if began is not None:
+            self._grace += self.clock() - began
+        self.release()
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
         """Timed like a step, between steps: a collective of the guard that every rank must reach (the verification
         before a save or an evaluation), where a rank stuck elsewhere would leave the others waiting."""
-        if self._began is not None:  # inside a step already
+        if self._began is not None or self._holds:  # inside a step already, or not timed now
             yield
             return
-        self._began = self.clock()
+        self._restart_clock(self.clock())
         try:
             yield
         finally:
-            self._began = None
+            self._restart_clock(None)
 
     def bound(self) -> float:
         return hang_bound(self.slowest, self.timed, self.ceiling, self.factor, learn_after=self.learn_after)
@@ -171,13 +231,14 @@ class HangWatchdog(TrainerCallback):
     def start(self) -> None:
         self.stop()
         self._stop = threading.Event()
-        self._first, self._began = True, None
+        self._first = True
+        self._restart_clock(None)
         self.slowest, self.timed = None, 0  # each `train()` call learns its own bound (its steps may differ)
         self._thread = threading.Thread(target=self._watch, name="safe_trainers-hang-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._began = None
+        self._restart_clock(None)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -187,14 +248,16 @@ class HangWatchdog(TrainerCallback):
         stop = self._stop
         while not stop.wait(POLL):
             began = self._began
-            if began is None:
+            if began is None or self._reported:
                 continue
-            elapsed, bound = self.clock() - began, self.bound()
+            elapsed, bound = self.clock() - began, self.bound() + self._grace
             if elapsed > bound:
                 self._hung(elapsed, bound)
 
     def _hung(self, elapsed: float, bound: float) -> None:
-        """Write every thread's stack, say so, and end the process at once (a hung thread cannot be unwound)."""
+        """Write every thread's stack, say so, record the `hang` event, and end the process at once if a hang
+        exits (a hung thread cannot be unwound); otherwise this step is not reported again."""
+        self._reported = True
         path = stacks_path(self.output_dir, self.rank)
         slowest = self.slowest
         learned = f"{self.timed} steps timed, slowest {slowest:.3f} s" if slowest is not None else "not learned"
@@ -204,21 +267,16 @@ class HangWatchdog(TrainerCallback):
             f"hang_timeout_factor={self.factor:g}). Stacks of every thread: ===\n"
         )
         try:
-            os.makedirs(self.output_dir, exist_ok=True)
-            with open_append_no_follow(path) as f:  # a link there is refused (`files.py`)
-                f.write(head)
-                f.flush()
-                faulthandler.dump_traceback(f, all_threads=True)
-                f.write("\n")
+            write_stacks(path, head)
         finally:
-            logger.error(
-                f"Rank {self.rank}: step {self._step} has run {elapsed:.0f} s, past the hang bound of {bound:.0f} s; "
-                f"the stacks of every thread are in {path}. Exiting with status {HUNG_EXIT_CODE} so the elastic agent "
-                "restarts the workers from the newest checkpoint. Raise `hang_timeout` (or set it to 0) if steps "
-                "this long are expected."
-            )
-            logging.shutdown()
-            os._exit(HUNG_EXIT_CODE)
+            logger.error(hang_message(self.rank, self._step, elapsed, bound, path, self.exits))
+            detail = {"seconds": round(elapsed, 1), "bound": round(bound, 1), "stacks": path, "exited": self.exits}
+            try:
+                if self.on_hang is not None:
+                    self.on_hang(self._step, detail)
+            finally:
+                if self.exits:
+                    exit_hung()
 
 
 class _Unwatched:
@@ -235,4 +293,4 @@ UNWATCHED = _Unwatched()
 
 __all__ = [
     "HANG_FLOOR", "HUNG_EXIT_CODE", "UNWATCHED", "HangWatchdog", "generation_period", "hang_bound", "stacks_path",
-]  # fmt: skip
+]  # fmt: skip  (`HUNG_EXIT_CODE` and `stacks_path` live in `hang_report.py`)

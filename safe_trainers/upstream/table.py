@@ -167,6 +167,7 @@ TRL: tuple[T, ...] = (
 )
 
 ZERO_TEST = "tests/guard/test_guard_distributed.py::test_deepspeed_zero_fault_on_one_rank"
+COMPILE_TEST = "tests/restarts/test_hang_progress.py::test_a_step_that_compiles_past_the_bound_finishes"
 OTHERS: tuple[T, ...] = (
     T("torch", "_foreach_norm", "function", "calls", "<=2.13 (not bisected)", "guard/finite.py",
       "one fused finiteness check over many tensors", ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
@@ -187,6 +188,23 @@ OTHERS: tuple[T, ...] = (
     T("torch.optim.lr_scheduler:LRScheduler", "_last_lr", "attribute", "writes", "<=2.13 (not bisected)",
       "guard/recovery.py", "the reported learning rate after a backoff",
       ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
+    *(
+        T(owner, name, kind, uses, "<=2.13 (not bisected)", "restarts/compile_watch.py",
+          f"TorchDynamo's compile hooks: {purpose}", (COMPILE_TEST,))
+        for owner, name, kind, uses, purpose in (
+            ("torch", "_dynamo", "variable", "imports", "the module of the compile hooks (`torch._dynamo.callback`)"),
+            ("torch._dynamo.callback", "callback_handler", "variable", "reads",
+             "the handler that runs callbacks when a compilation starts and ends"),
+            ("torch._dynamo.callback:CompilationCallbackHandler", "register_start_callback", "method", "calls",
+             "the hang watchdog stops the step's clock while torch compiles"),
+            ("torch._dynamo.callback:CompilationCallbackHandler", "register_end_callback", "method", "calls",
+             "the clock goes on when the compilation ends"),
+            ("torch._dynamo.callback:CompilationCallbackHandler", "remove_start_callback", "method", "calls",
+             "the hooks are removed when `train()` ends"),
+            ("torch._dynamo.callback:CompilationCallbackHandler", "remove_end_callback", "method", "calls",
+             "the hooks are removed when `train()` ends"),
+        )
+    ),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",
       "trains and saves a LoRA reward model's head (`peft.reward_seq_cls_lora`)",
       ("tests/rules/test_peft_rules.py::test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head",)),

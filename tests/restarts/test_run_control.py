@@ -46,7 +46,9 @@ def test_attach_puts_preemption_right_after_the_flow_and_the_watchdog_right_afte
     assert index(trainer, PreemptionCallback) == index(trainer, HangWatchdog) == -1
     assert trainer.preemption is guard.preemption is None and guard.watchdog is UNWATCHED
 
-    settings = SimpleNamespace(preempt_signals=["usr1", "SIGTERM"], hang_timeout=30.0, hang_timeout_factor=5.0)
+    settings = SimpleNamespace(
+        preempt_signals=["usr1", "SIGTERM"], hang_timeout=30.0, hang_timeout_factor=5.0, hang_action="auto"
+    )
     attach_run_control(trainer, settings)
     callbacks = trainer.callback_handler.callbacks
     preemption = callbacks[index(trainer, DefaultFlowCallback) + 1]

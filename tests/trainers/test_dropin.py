@@ -146,6 +146,7 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "preempt_signals": ["SIGTERM", "SIGUSR1"],
         "hang_timeout": 900.0,
         "hang_timeout_factor": 10.0,
+        "hang_action": "auto",
     }
     assert safe_dict == plain.to_dict()
 

@@ -6,7 +6,7 @@ Launched by tests/restarts/test_crash_restarts.py and test_cluster_launches.py, 
 `--kill STEP:ATTEMPTS[:RANK]` kills the process when it feeds a micro-batch of optimizer step STEP to the model, in
 the attempts listed (`0,2`, or `1-` for 1 and every later one; the attempt is torchrun's restart count), on one rank
 or all. `--preempt` sends the process a SIGTERM there instead (a preemption: training goes on), and `--hang` sleeps
-there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling).
+there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling, `--hang_action` what a hang does).
 Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
 it: `delivered` when the dataloader hands it to `training_step`, `fed` when it reaches the model. The attempt that
 finishes writes `DIR/result-rank<r>.json`, with `expected`: the fingerprints of the micro-batches an uninterrupted
@@ -54,6 +54,7 @@ def parse(argv=None):
     parser.add_argument("--preempt", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (SIGTERM to itself)")
     parser.add_argument("--hang", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (sleeps forever)")
     parser.add_argument("--hang_timeout", type=float, default=900.0)
+    parser.add_argument("--hang_action", default="auto")
     parser.add_argument(
         "--fault", action="append", default=[], help="kind:step[:value] (a fault on every rank; NaN by default)"
     )
@@ -194,6 +195,7 @@ def main(argv=None) -> int:
             nan_rollback_from=ns.rollback_from,
             learning_rate=ns.learning_rate,
             hang_timeout=ns.hang_timeout,
+            hang_action=ns.hang_action,
             **spikes,
         )
         trainer.add_callback(DamagesCheckpoints(ns.backdate, ns.truncate))
