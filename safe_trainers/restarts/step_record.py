@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from ..files import open_no_follow
 
@@ -138,7 +138,7 @@ def record_problem(raw: Any) -> str | None:
     wrong = [k for k, types in RECORD_TYPES.items() if k in raw and (type(raw[k]) not in types)]
     if missing or wrong:
         return f"`{(missing or wrong)[0]}` is missing or of the wrong type"
-    if raw["phase"] not in ("step", "between", "finished"):
+    if raw["phase"] not in get_args(Phase):
         return f"`phase` is {raw['phase'][:40]!r}"
     items = [
         all(isinstance(d, dict) and _typed(d, attempt=_INT, step=_OPTIONAL_INT) for d in raw.get("deaths", [])),

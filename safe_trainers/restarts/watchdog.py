@@ -141,8 +141,8 @@ class HangWatchdog(TrainerCallback):
     # ------------------------------------------------------------------ heartbeats (the training loop)
     def on_train_begin(self, args, state, control, **kwargs: Any):
         self.start()
-        if state.is_world_process_zero:
-            logger.info(hang_plan_line(self.exits, self.action, self.ceiling, self.factor))
+        if state.is_world_process_zero:  # shown by default, as the resume lines are: what a hang will do here
+            logger.warning(hang_plan_line(self.exits, self.action, self.ceiling, self.factor))
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self._step = state.global_step + 1

@@ -167,6 +167,7 @@ TRL: tuple[T, ...] = (
 )
 
 ZERO_TEST = "tests/guard/test_guard_distributed.py::test_deepspeed_zero_fault_on_one_rank"
+PLANTED_TEST = "tests/guard/test_planted_distributed.py::test_a_real_checkpoint_is_accepted_and_a_planted_one_runs_nothing"
 COMPILE_TEST = "tests/restarts/test_hang_progress.py::test_a_step_that_compiles_past_the_bound_finishes"
 OTHERS: tuple[T, ...] = (
     T("torch", "_foreach_norm", "function", "calls", "<=2.13 (not bisected)", "guard/finite.py",
@@ -203,6 +204,16 @@ OTHERS: tuple[T, ...] = (
              "the hooks are removed when `train()` ends"),
             ("torch._dynamo.callback:CompilationCallbackHandler", "remove_end_callback", "method", "calls",
              "the hooks are removed when `train()` ends"),
+        )
+    ),
+    *(
+        T(owner, name, "variable", "allows", "<=2.13 (not bisected)", "restarts/pickled_state.py",
+          f"a name DCP stores in an FSDP2 checkpoint's `.metadata` ({purpose}), allowed by the resume's safe unpickler",
+          (PLANTED_TEST,))
+        for owner, name, purpose in (
+            ("torch.serialization", "_get_layout", "tensor layouts"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "where each item is stored"),
+            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "tensor memory formats"),
         )
     ),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",

@@ -47,7 +47,8 @@ class Touchpoint:
         name (`str`): the method, attribute or function, e.g. `"_get_grad_norm"`.
         kind (`str`): `"method"`, `"function"` or `"variable"` (a class or module attribute): verified when the
             trainers are imported; `"attribute"`: an instance attribute, set at run time.
-        uses (`str`): what the package does with it: overrides, calls, reads, writes, imports.
+        uses (`str`): what the package does with it: overrides, calls, reads, writes, imports, allows (a name the
+            resume's safe unpickler lets a checkpoint construct).
         since (`str`): the upstream release that introduced it, from the wheels' source: `"5.3.0"` (absent in the
             release before), `"4.21-4.30"` (between the two releases checked), `"<=4.0"` (in the oldest checked).
         where (`str`): the package modules that touch it, relative to `safe_trainers/`.
