@@ -32,6 +32,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import TrainOutput
 
 from ..errors import NonFiniteWeightsError
+from ..restarts.output_lock import OutputDirLock, hold_output_dir, publishes_here
 from ..restarts.record_callback import StepProgressCallback
 from ..restarts.resume_plan import record_resume, resolve_run
 from ..restarts.rotation import rotate_up_to
@@ -81,9 +82,18 @@ class NanGuardTrainerMixin:
     hang_watchdog: Any = None
     hooks_ran: HooksRan | None = None  # marked by the hooks below when they run (`hooks_ran.py`)
     guard_hooks: HookState | None = None
+    output_lock: OutputDirLock | None = None  # this process's hold on `output_dir` during `train()`
 
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
+    ):
+        """The Trainer's `train()`, holding `output_dir` for the whole call: a second run there is refused with
+        [`OutputDirInUseError`] (`restarts/output_lock.py`), with or without the guard."""
+        with hold_output_dir(self) as self.output_lock:
+            return self._train_in_output_dir(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def _train_in_output_dir(
+        self, resume_from_checkpoint: str | bool | None, trial: Any, ignore_keys_for_eval, **kwargs
     ):
         guard = self.nan_guard
         if guard is not None and self.is_world_process_zero():
@@ -229,7 +239,7 @@ class NanGuardTrainerMixin:
         verify_hooks(self, "save")  # the Trainer wrote to the staging directory, or the run stops here
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
         self.accelerator.wait_for_everyone()
-        if self.args.should_save:
+        if publishes_here(self):  # one process per storage: never a node sharing rank 0's (`save_on_each_node`)
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
             guard.state.save(staged, guard.spikes)  # with the spike window
             publish(staged, final)
@@ -238,7 +248,7 @@ class NanGuardTrainerMixin:
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not self.guard_hooks.starting_checkpoint:
             self._push_from_checkpoint(final)
-        if self.args.should_save:
+        if publishes_here(self):
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
         if self.step_progress is not None:
             self.step_progress.published(run_dir, step)
