@@ -15,6 +15,8 @@ guard touches, and how each keeps its contract:
 * crashes: the step record is kept on disk and a poisoned step's batches are not trained
   (`restarts/record_callback.py`); a run resumed at its last step (a restart after `train()` returned) trains no step
   past `max_steps`.
+* `output_dir`: held by one run for the whole `train()` call; a second run is refused, and a node sharing rank 0's
+  storage (`save_on_each_node=True`) publishes and rotates nothing (`restarts/output_lock.py`).
 * rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones
   (`restarts/rotation.py`).
 """
