@@ -87,3 +87,19 @@ class UpstreamHookError(RuntimeError):
     def __init__(self, message: str, hooks: "tuple[str, ...] | list[str]"):
         self.hooks = tuple(hooks)
         super().__init__(message)
+
+
+class OutputDirInUseError(RuntimeError):
+    """`train()` was refused because another live run holds the lock on the same `output_dir`
+    (`restarts/output_lock.py`). A `RuntimeError`, as every run that cannot go on: not the `BlockingIOError` the lock
+    call itself raises, which says only that a file is busy and would read as an I/O failure worth retrying.
+
+    Attributes:
+        output_dir (`str`): the directory in use.
+        host (`str`): the host of the process that holds the lock (`""` if its lock file names none yet).
+        pid (`int`): that process's id (0 if unknown).
+    """
+
+    def __init__(self, message: str, output_dir: str, host: str, pid: int):
+        self.output_dir, self.host, self.pid = output_dir, host, pid
+        super().__init__(message)

@@ -17,6 +17,8 @@ guard touches, and how each keeps its contract:
 * crashes: the step record is kept on disk and a poisoned step's batches are not trained
   (`restarts/record_callback.py`); a run resumed at its last step (a restart after `train()` returned) trains no step
   past `max_steps`.
+* `output_dir`: held by one run for the whole `train()` call; a second run is refused, and a node sharing rank 0's
+  storage (`save_on_each_node=True`) publishes and rotates nothing (`restarts/output_lock.py`).
 * rotation (`save_total_limit`): never deletes this run's newest checkpoint for higher-numbered ones
   (`restarts/rotation.py`), and runs only in `output_dir` after a publication: the Trainer's own rotation would run
   inside the staging directory, so `save_total_limit` is unset while the Trainer writes there.
@@ -35,6 +37,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import TrainOutput
 
 from ..errors import NonFiniteWeightsError
+from ..restarts.output_lock import OutputDirLock, hold_output_dir, publishes_here
 from ..restarts.record_callback import StepProgressCallback
 from ..restarts.resume_plan import record_resume, resolve_run
 from ..restarts.rotation import rotate_up_to
@@ -85,9 +88,18 @@ class NanGuardTrainerMixin:
     hang_watchdog: Any = None
     hooks_ran: HooksRan | None = None  # marked by the hooks below when they run (`hooks_ran.py`)
     guard_hooks: HookState | None = None
+    output_lock: OutputDirLock | None = None  # this process's hold on `output_dir` during `train()`
 
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
+    ):
+        """The Trainer's `train()`, holding `output_dir` for the whole call: a second run there is refused with
+        [`OutputDirInUseError`] (`restarts/output_lock.py`), with or without the guard."""
+        with hold_output_dir(self) as self.output_lock:
+            return self._train_in_output_dir(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def _train_in_output_dir(
+        self, resume_from_checkpoint: str | bool | None, trial: Any, ignore_keys_for_eval, **kwargs
     ):
         guard = self.nan_guard
         if guard is not None:  # a save a crash interrupted is finished or undone (`publishing.py`)
@@ -236,7 +248,7 @@ class NanGuardTrainerMixin:
         verify_hooks(self, "save")  # the Trainer wrote to the staging directory, or the run stops here
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
         self.accelerator.wait_for_everyone()
-        if self.args.should_save:
+        if publishes_here(self):  # one process per storage: never a node sharing rank 0's (`save_on_each_node`)
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
             guard.state.save(staged, guard.spikes)  # with the spike window
             publish(staged, final)
@@ -245,7 +257,7 @@ class NanGuardTrainerMixin:
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not self.guard_hooks.starting_checkpoint:
             self._push_from_checkpoint(final)
-        if self.args.should_save:
+        if publishes_here(self):
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
         if self.step_progress is not None:
             self.step_progress.published(run_dir, step)

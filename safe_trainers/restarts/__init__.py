@@ -9,6 +9,7 @@ One module per decision or action:
 * `launch`: which launch and which of the script's `train()` calls a process is;
 * `step_record`: the step record kept on disk across restarts, and the poisoned-step decision;
 * `record_callback`: the callback that keeps the step record and drops a poisoned step's batches;
+* `output_lock`: one run per `output_dir`: the lock `train()` holds, and who publishes on shared storage;
 * `rotation`: the `save_total_limit` rotation that keeps a run's own newest checkpoint;
 * `preemption`, `watchdog`, `hang_report`, `compile_watch`, `run_control`: a preemption signal becomes a checkpoint
   and exit 75, a hung step its stacks and exit 124 where the elastic agent restarts the process (a report elsewhere);

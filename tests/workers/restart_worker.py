@@ -5,8 +5,10 @@ Launched by tests/restarts/test_crash_restarts.py and test_cluster_launches.py, 
         --out DIR --kill 6:0 --kill 7:1-
 `--kill STEP:ATTEMPTS[:RANK]` kills the process when it feeds a micro-batch of optimizer step STEP to the model, in
 the attempts listed (`0,2`, or `1-` for 1 and every later one; the attempt is torchrun's restart count), on one rank
-or all. `--preempt` sends the process a SIGTERM there instead (a preemption: training goes on), and `--hang` sleeps
-there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling, `--hang_action` what a hang does).
+or all. `--preempt` sends the process a SIGTERM there instead (a preemption: training goes on), `--hang` sleeps
+there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling, `--hang_action` what a hang does), and
+`--pause` writes `DIR/paused-rank<r>` there and waits until `DIR/go` exists (a run caught mid-training, for a second
+run to meet).
 Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
 it: `delivered` when the dataloader hands it to `training_step`, `fed` when it reaches the model. The attempt that
 finishes writes `DIR/result-rank<r>.json`, with `expected`: the fingerprints of the micro-batches an uninterrupted
@@ -53,8 +55,10 @@ def parse(argv=None):
     parser.add_argument("--kill", action="append", default=[], help="STEP:ATTEMPTS[:RANK]")
     parser.add_argument("--preempt", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (SIGTERM to itself)")
     parser.add_argument("--hang", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (sleeps forever)")
+    parser.add_argument("--pause", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (waits for DIR/go)")
     parser.add_argument("--hang_timeout", type=float, default=900.0)
     parser.add_argument("--hang_action", default="auto")
+    parser.add_argument("--save_on_each_node", action="store_true")
     parser.add_argument(
         "--fault", action="append", default=[], help="kind:step[:value] (a fault on every rank; NaN by default)"
     )
@@ -102,6 +106,7 @@ class KillingDPOTrainer(trainer_class("dpo")):
     kill_steps: set[int] = set()
     signal_steps: set[int] = set()
     hang_steps: set[int] = set()
+    pause_steps: set[int] = set()
 
     def _log(self, event: str, inputs) -> None:
         step = self.state.global_step + 1
@@ -122,6 +127,12 @@ class KillingDPOTrainer(trainer_class("dpo")):
             if step in self.signal_steps:
                 self.signal_steps.discard(step)  # once (the micro-batches of the step go on)
                 os.kill(os.getpid(), signal.SIGTERM)
+            if step in self.pause_steps:
+                self.pause_steps.discard(step)
+                out = os.path.dirname(self.stream.name)
+                open(os.path.join(out, f"paused-rank{self.args.process_index}"), "w").close()
+                while not os.path.exists(os.path.join(out, "go")):
+                    time.sleep(0.05)
             if step in self.hang_steps:
                 while True:
                     time.sleep(3600)
@@ -173,6 +184,7 @@ def main(argv=None) -> int:
     kill_steps = {s for s in (kills_at(spec, rank) for spec in ns.kill) if s is not None}
     KillingDPOTrainer.signal_steps = {s for s in (kills_at(spec, rank) for spec in ns.preempt) if s is not None}
     KillingDPOTrainer.hang_steps = {s for s in (kills_at(spec, rank) for spec in ns.hang) if s is not None}
+    KillingDPOTrainer.pause_steps = {s for s in (kills_at(spec, rank) for spec in ns.pause) if s is not None}
     faults = [fault_from(spec) for spec in ns.fault]
     spikes = {}
     if ns.spike:
@@ -196,6 +208,7 @@ def main(argv=None) -> int:
             learning_rate=ns.learning_rate,
             hang_timeout=ns.hang_timeout,
             hang_action=ns.hang_action,
+            save_on_each_node=ns.save_on_each_node,
             **spikes,
         )
         trainer.add_callback(DamagesCheckpoints(ns.backdate, ns.truncate))
