@@ -143,6 +143,7 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "nan_spike_patience": None,
         "resume_on_restart": True,
         "skip_step_after_crashes": 2,
+        "trusted_checkpoint_globals": [],
         "preempt_signals": ["SIGTERM", "SIGUSR1"],
         "hang_timeout": 900.0,
         "hang_timeout_factor": 10.0,
