@@ -1,4 +1,4 @@
-"""One run per `output_dir`: every `train()` call holds a lock on `output_dir/.safe_trainers.lock` from start to end.
+"""One run per `output_dir`: every `train()` call holds a lock on `output_dir/_safe_trainers.lock` from start to end.
 
 Two runs in one `output_dir` (two jobs launched by mistake) destroy each other: the second one's start removes the
 checkpoint the first is staging, truncates its step record (a restart of the first would begin again at step 0) and
@@ -54,7 +54,7 @@ from .launch import agent_identity, launch_agents, restart_count, same_launch
 
 logger = logging.getLogger("safe_trainers")
 
-LOCK_FILE = ".safe_trainers.lock"
+LOCK_FILE = "_safe_trainers.lock"  # `_`: transformers' Hub uploads of `output_dir` leave it out (its host, pid)
 READ_LIMIT = 4096
 _HELD_ERRNOS = {errno.EACCES, errno.EAGAIN}
 _NO_LOCKS_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}

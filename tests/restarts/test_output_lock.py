@@ -99,7 +99,9 @@ def test_the_lock_holds_while_the_run_uploads_its_output_dir_to_the_hub(tmp_path
         while not (out / "paused-rank0").exists():  # run A is inside step 6; checkpoint-4 published and uploaded
             assert first.poll() is None, first.stdout.read()[-4000:]
             time.sleep(0.1)
-        assert any(path.endswith("/preupload/main") for _, path, _ in hub.requests), hub.requests
+        uploads = [body for _, path, body in hub.requests if path.endswith("/preupload/main")]
+        assert uploads and b"model.safetensors" in uploads[0], hub.requests
+        assert not any(LOCK_FILE.encode() in body for body in uploads)  # never the lock file (its host name, pid)
         second = build_trainer("dpo", model, str(run), preset="guarded", max_steps=8)
         with pytest.raises(OutputDirInUseError):
             second.train()
