@@ -1,4 +1,4 @@
-"""One run per `output_dir`: every `train()` call holds a lock on `output_dir/.safe_trainers.lock` from start to end.
+"""One run per `output_dir`: every `train()` call holds a lock on `output_dir/_safe_trainers.lock` from start to end.
 
 Two runs in one `output_dir` (two jobs launched by mistake) destroy each other: the second one's start removes the
 checkpoint the first is staging, truncates its step record (a restart of the first would begin again at step 0) and
@@ -8,13 +8,14 @@ back when `train()` leaves, by a return or an exception; a second run is refused
 [`OutputDirInUseError`] naming the directory and the process (host, pid) that holds it. It applies with
 `nan_guard=False` too: the healthy resume reads the step record there, and transformers' rotation deletes checkpoints.
 
-The lock is a POSIX record lock (`fcntl.lockf`) on the whole file. The kernel drops it when its process ends, however
-it ends (a crash, SIGKILL, the elastic agent stopping the worker group before a restart), so a lock left by a dead
-process never blocks a restart; the file itself stays (removing a lock file races with a process that just opened
-it). A record lock, unlike `flock`, is not inherited by the processes a worker forks (dataloader workers outliving a
-killed trainer would hold it), and it is the kind NFS carries to the server: NFSv4, and NFSv3 with its lock manager,
-lock between nodes. Its rule that closing any descriptor of the file drops the process's lock is kept by opening the
-file once per process and reading it only before the lock is taken.
+The lock is a POSIX lock on the whole file: an open file description lock (`F_OFD_SETLK`, Linux), else a record lock
+(`fcntl.lockf`). The kernel drops it when its process ends, however it ends (a crash, SIGKILL, the elastic agent
+stopping the worker group before a restart), so a lock left by a dead process never blocks a restart; the file itself
+stays (removing a lock file races with a process that just opened it). It is the kind NFS carries to the server:
+NFSv4, and NFSv3 with its lock manager, lock between nodes. A record lock is dropped when its process closes any
+descriptor of the file, and the run's own process reads every file in `output_dir` when it uploads it to the Hub
+(`push_to_hub`, at every save): a lock of the open description is not, and a child the process forks (a dataloader
+worker, which could outlive a killed trainer) closes its copy of the descriptor at once ([`_close_in_child`]).
 
 The file names the holder ([`Holder`]: host, pid, the launch's elastic agents and restart count, a token of the run),
 for the message and for two cases that are not a second run (see [`decide`]):
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,10 +54,12 @@ from .launch import agent_identity, launch_agents, restart_count, same_launch
 
 logger = logging.getLogger("safe_trainers")
 
-LOCK_FILE = ".safe_trainers.lock"
+LOCK_FILE = "_safe_trainers.lock"  # `_`: transformers' Hub uploads of `output_dir` leave it out (its host, pid)
 READ_LIMIT = 4096
 _HELD_ERRNOS = {errno.EACCES, errno.EAGAIN}
 _NO_LOCKS_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+_OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+_WHOLE_FILE = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # `struct flock`: write lock, no pid (OFD)
 
 Role = Literal["holds", "peer", "unlocked", "after_dead_attempt", "refused"]
 
@@ -135,10 +139,20 @@ class OutputDirLock:
         if self.fd is not None:
             os.close(self.fd)  # drops the lock
             self.fd = None
-            _HELD.discard(os.path.realpath(self.path))
+            _HELD.pop(os.path.realpath(self.path), None)
 
 
-_HELD: set[str] = set()  # the lock files this process holds: a record lock taken twice by one process is no lock
+_HELD: dict[str, int] = {}  # the lock files this process holds, and their descriptors (a `train()` call holds it now)
+
+
+def _close_in_child() -> None:
+    """In a child this process forks: the parent's lock stays the parent's alone, ending with it."""
+    for fd in _HELD.values():
+        os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 @contextmanager
@@ -208,15 +222,15 @@ def take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None]:
     os.ftruncate(fd, 0)
     os.pwrite(fd, ours.to_json().encode(), 0)
     os.fsync(fd)  # before the other nodes look for this run's token
-    _HELD.add(key)
+    _HELD[key] = fd
     return OutputDirLock(path, role, fd), None
 
 
 def try_lock(fd: int) -> bool | None:
-    """Take the record lock on the whole file without waiting: `True`, `False` when another process holds it, `None`
+    """Take the lock on the whole file without waiting ([`_lock`]): `True`, `False` when another process holds it, `None`
     when the filesystem has no locks."""
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock(fd)
     except OSError as error:
         if error.errno in _HELD_ERRNOS:
             return False
@@ -224,6 +238,19 @@ def try_lock(fd: int) -> bool | None:
             return None
         raise
     return True
+
+
+def _lock(fd: int) -> None:
+    """The lock of the open file description where the kernel has it (no other descriptor of the file drops it),
+    else a record lock."""
+    if _OFD_SETLK is not None:
+        try:
+            fcntl.fcntl(fd, _OFD_SETLK, _WHOLE_FILE)
+            return
+        except OSError as error:
+            if error.errno != errno.EINVAL:  # EINVAL: a kernel or filesystem without them
+                raise
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def read_holder(path: str) -> Holder | None:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 from guard_utils import checkpoint_steps
-from net_utils import EXIT_RACE, free_port
+from net_utils import EXIT_RACE, StubHub, free_port
 from test_crash_restarts import REPO, WORKER
 
 from safe_trainers.errors import OutputDirInUseError
@@ -84,6 +84,33 @@ def test_a_second_run_is_refused_while_the_first_trains_and_the_first_keeps_its_
     assert second.train(resume_from_checkpoint=True).global_step == 8  # from A's final checkpoint: no step
     assert second.train().global_step == 8
     assert read_holder(str(run / LOCK_FILE)).pid == os.getpid()
+
+
+def test_the_lock_holds_while_the_run_uploads_its_output_dir_to_the_hub(tmp_path):
+    # `push_to_hub=True` uploads `output_dir` at every save, from the run's own process: the upload reads every file
+    # there, the lock file too. A POSIX record lock is dropped when its process closes any descriptor of the file.
+    model = save_toy_model(str(tmp_path / "model"), "qwen2")
+    out, run = tmp_path / "out", tmp_path / "out" / "run"
+    hub = StubHub()
+    env = dict(ENV, HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.endpoint, HF_HUB_DISABLE_XET="1")
+    cmd = [sys.executable, WORKER, "--model", model, "--out", str(out), "--pause", "6:0", "--max_steps", "8", "--push"]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while not (out / "paused-rank0").exists():  # run A is inside step 6; checkpoint-4 published and uploaded
+            assert first.poll() is None, first.stdout.read()[-4000:]
+            time.sleep(0.1)
+        uploads = [body for _, path, body in hub.requests if path.endswith("/preupload/main")]
+        assert uploads and b"model.safetensors" in uploads[0], hub.requests
+        assert not any(LOCK_FILE.encode() in body for body in uploads)  # never the lock file (its host name, pid)
+        second = build_trainer("dpo", model, str(run), preset="guarded", max_steps=8)
+        with pytest.raises(OutputDirInUseError):
+            second.train()
+    finally:
+        (out / "go").touch()
+        stdout, _ = first.communicate(timeout=600)
+        hub.close()
+    assert first.returncode == 0, stdout[-4000:]
+    assert checkpoint_steps(str(run)) == [4, 8]
 
 
 def test_a_lock_left_by_a_killed_process_never_blocks_the_next_run(tmp_path):

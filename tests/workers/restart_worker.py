@@ -19,7 +19,9 @@ As a cluster job can: `--stages N` runs N `train()` calls in one script (stage 1
 attempt appends what each stage's `train()` returned to `DIR/stages-rank<r>.jsonl`); `--die_before_train ATTEMPTS`
 kills the process before `train()` (loading); `--backdate SECONDS` sets the file times of every published checkpoint
 that far in the past (shared storage whose clock lags); `--truncate STEP:FILE` cuts `FILE` of `checkpoint-STEP` to half
-its length once it is published, in attempt 0 (a save written in place and interrupted).
+its length once it is published, in attempt 0 (a save written in place and interrupted). `--push` uploads to the Hub
+at every save (`push_to_hub=True`, `hub_strategy="every_save"`, the Hub at `HF_ENDPOINT`); `--pause` then waits for the
+uploads begun before it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def parse(argv=None):
     parser.add_argument("--rollback_from", default="memory")
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--spike", default="", help="FACTOR:WARMUP (spike detection on)")
+    parser.add_argument("--push", action="store_true", help="push_to_hub at every save (the Hub at HF_ENDPOINT)")
     return parser.parse_args(argv)
 
 
@@ -129,6 +132,8 @@ class KillingDPOTrainer(trainer_class("dpo")):
                 os.kill(os.getpid(), signal.SIGTERM)
             if step in self.pause_steps:
                 self.pause_steps.discard(step)
+                if self.args.push_to_hub:
+                    self._finish_current_push()  # the uploads begun at the saves before the pause are done
                 out = os.path.dirname(self.stream.name)
                 open(os.path.join(out, f"paused-rank{self.args.process_index}"), "w").close()
                 while not os.path.exists(os.path.join(out, "go")):
@@ -210,6 +215,7 @@ def main(argv=None) -> int:
             hang_action=ns.hang_action,
             save_on_each_node=ns.save_on_each_node,
             **spikes,
+            **(dict(push_to_hub=True, hub_strategy="every_save", hub_model_id="local/test") if ns.push else {}),
         )
         trainer.add_callback(DamagesCheckpoints(ns.backdate, ns.truncate))
         if ns.die_before_train and in_attempts(ns.die_before_train):
