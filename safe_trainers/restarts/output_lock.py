@@ -27,9 +27,7 @@ for the message and for two cases that are not a second run (see [`decide`]):
   restart, so the holder is gone (on NFS, a lost node's lock lasts until its lease runs out, about 90 s): the restart
   goes on, with a warning.
 
-Limits: on a filesystem without locks (NFS mounted `nolock`, Lustre without `flock`: the call fails) a second run is
-not refused (a warning says so); where locks are local to a node (Lustre `localflock`, NFS `local_lock=all`) only
-runs on the same node are refused.
+Limits (filesystems without locks, or with node-local ones): docs/guard.md, "One run per `output_dir`".
 """
 
 from __future__ import annotations
@@ -171,15 +169,20 @@ def acquire(args: Any) -> OutputDirLock:
     rank 0's token there when the nodes share the storage. A refusal anywhere is raised on every rank."""
     path = os.path.join(args.output_dir, LOCK_FILE)
     agents = launch_agents(gather_object([agent_identity(os.environ)]))
-    mine, ours, refused = OutputDirLock(path), None, None
+    mine, ours, refused, failed = OutputDirLock(path), None, None, None
     if args.process_index == 0:
         ours = Holder(socket.gethostname(), os.getpid(), agents, restart_count(os.environ), uuid.uuid4().hex)
-        mine, refused = take(path, ours)
-    ours, refused = broadcast_object_list([(ours, refused)])[0]
-    if refused is None:
+        mine, refused, failed = _take(path, ours)
+    ours, refused, failed = broadcast_object_list([(ours, refused, failed)])[0]
+    if refused is None and failed is None:
         if args.local_process_index == 0 and args.process_index != 0:
-            mine, refused = take(path, ours)
-        refused = next((r for r in gather_object([refused]) if r is not None), None)
+            mine, refused, failed = _take(path, ours)
+        answers = gather_object([(refused, failed)])
+        refused = next((r for r, _ in answers if r is not None), None)
+        failed = next((f for _, f in answers if f is not None), None)
+    if failed is not None:  # raised on every rank, so none waits for the others in a collective
+        mine.release()
+        raise failed
     if refused is not None:
         mine.release()
         holder = refused.holder
@@ -188,6 +191,14 @@ def acquire(args: Any) -> OutputDirLock:
             holder.pid if holder else 0,
         )  # fmt: skip
     return mine
+
+
+def _take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None, OSError | None]:
+    """[`take`], with an `OSError` (a link at the lock file, permissions, a full disk) returned to be shared."""
+    try:
+        return (*take(path, ours), None)
+    except OSError as error:
+        return OutputDirLock(path), None, error
 
 
 def take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None]:

@@ -150,3 +150,32 @@ def test_two_nodes_saving_on_each_node_to_shared_storage_never_remove_what_the_o
     assert checkpoint_steps(str(run)) == [8] and checkpoint_problem(str(run / "checkpoint-8")) is None
     assert not (run / STAGING_DIR).exists()
     assert read_progress(str(run)).history.checkpoints == (8,)
+
+
+def test_an_error_taking_the_lock_on_rank_0_is_raised_on_every_node_not_waited_for(tmp_path):
+    # The lock file is a link (refused on purpose, ELOOP): rank 0 cannot take the lock. Two torchrun agents ("nodes"),
+    # so no launcher stops node 1 when node 0 fails: before, node 1 waited in the collective for rank 0's answer until
+    # the process-group timeout; now the error reaches it and both end at once with the message.
+    model = save_toy_model(str(tmp_path / "model"), "qwen2")
+    out, run = tmp_path / "out", tmp_path / "out" / "run"
+    run.mkdir(parents=True)
+    (tmp_path / "elsewhere").write_text("not the run's\n")
+    os.symlink(tmp_path / "elsewhere", run / LOCK_FILE)
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, WORKER,
+             "--model", model, "--out", str(out), "--max_steps", "4"],
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path),
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, output in zip(nodes, outputs):
+        assert node.returncode != 0 and "is a symbolic link: the run's lock file must be a plain file" in output
+    assert (tmp_path / "elsewhere").read_text() == "not the run's\n"
