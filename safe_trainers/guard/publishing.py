@@ -51,7 +51,8 @@ class Publication:
 
     @property
     def run_dir(self) -> str:
-        return os.path.dirname(self.final)
+        """`output_dir` as fsynced: its target when it is a link (a layout users choose; `fsync_path` follows none)."""
+        return os.path.realpath(os.path.dirname(self.final))
 
     @property
     def marker(self) -> str:
@@ -70,7 +71,7 @@ def _seal(p: Publication) -> None:
 
 
 def _set_aside(p: Publication) -> None:
-    if not os.path.isdir(p.final):
+    if not os.path.lexists(p.final):  # a link or a file there is set aside too: renamed, never followed
         return
     if os.path.lexists(p.aside):
         _remove(p.aside)  # an older replaced copy: `checkpoint-N` is complete, it is not needed

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import TrainOutput
 
 from ..errors import NonFiniteWeightsError
@@ -238,6 +238,8 @@ class NanGuardTrainerMixin:
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
+            if os.path.isfile(os.path.join(staged, TRAINING_ARGS_NAME)):  # saved with `save_total_limit=None`
+                torch.save(self.args, os.path.join(staged, TRAINING_ARGS_NAME))
             guard.state.save(staged, guard.spikes)  # with the spike window
             publish(staged, final)
         if guard.snapshotter is not None:
