@@ -245,12 +245,12 @@ class NanGuardTrainerMixin:
         if guard.snapshotter is not None:
             guard.snapshotter.published(final)
         self.accelerator.wait_for_everyone()
+        if self.step_progress is not None:  # before the upload and the rotation: a kill there keeps it resumable
+            self.step_progress.published(run_dir, step)
         if self.args.push_to_hub and not self.guard_hooks.starting_checkpoint:
             self._push_from_checkpoint(final)
         if self.args.should_save:
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
-        if self.step_progress is not None:
-            self.step_progress.published(run_dir, step)
 
     def save_starting_checkpoint(self) -> None:
         """Publish the state training starts from as a checkpoint, for `nan_rollback_from="checkpoint"` (verified
