@@ -21,11 +21,12 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..files import fsync_path, fsync_tree, open_no_follow
+from ..restarts.checkpoint_choice import checkpoint_problem
 from .checkpoint_dirs import checked_staging, checkpoint_dir
 
 COMPLETE = ".complete"  # beside a staged copy: fully written, verified and fsynced
@@ -51,7 +52,8 @@ class Publication:
 
     @property
     def run_dir(self) -> str:
-        return os.path.dirname(self.final)
+        """`output_dir` as fsynced: its target when it is a link (a layout users choose; `fsync_path` follows none)."""
+        return os.path.realpath(os.path.dirname(self.final))
 
     @property
     def marker(self) -> str:
@@ -70,7 +72,7 @@ def _seal(p: Publication) -> None:
 
 
 def _set_aside(p: Publication) -> None:
-    if not os.path.isdir(p.final):
+    if not os.path.lexists(p.final):  # a link or a file there is set aside too: renamed, never followed
         return
     if os.path.lexists(p.aside):
         _remove(p.aside)  # an older replaced copy: `checkpoint-N` is complete, it is not needed
@@ -123,18 +125,20 @@ class Found:
         complete (`bool`): its marker is there (the staged copy was sealed).
         aside (`bool`): a replaced copy is there.
         published (`bool`): `checkpoint-N` is there.
+        damaged (`bool`): the sealed copy is no longer usable (a disk error, a stray write since it was sealed).
     """
 
     staged: bool
     complete: bool
     aside: bool
     published: bool
+    damaged: bool = False
 
 
 def recovery_actions(found: Found) -> tuple[str, ...]:
     """What to do, in order, with what a crash left (keys of [`ACTIONS`]): a sealed copy is published; an unsealed
-    one is half-written and removed; a replaced copy is put back when `checkpoint-N` is missing, else removed."""
-    if found.staged and found.complete:
+    one (or a damaged one) is removed; a replaced copy is put back when `checkpoint-N` is missing, else removed."""
+    if found.staged and found.complete and not found.damaged:
         return ("publish",)  # sets aside, moves in and cleans up, whatever of that was done already
     actions = ("discard_staged",) if found.staged else ()
     if found.aside:
@@ -192,6 +196,10 @@ def recover_staging(run_dir: str, main: bool = True) -> list[str]:
     for name, found in kinds.items():
         p = Publication(os.path.join(staging, name), checkpoint_dir(run_dir, int(name.rsplit("-", 1)[1])))
         state = Found("" in found, COMPLETE in found, REPLACED in found, _is_dir(p.final))
+        damaged = _damaged_since_sealed(p, state)
+        if damaged is not None:
+            lines.append(f"kept `{p.final}`: `{p.staged}`, sealed to replace it, is no longer usable ({damaged})")
+            state = replace(state, damaged=True)  # undone like an unsealed copy: the complete copy stays
         for action in recovery_actions(state):
             run, line = ACTIONS[action]
             text = line and line.format(staged=p.staged, final=p.final, aside=p.aside)
@@ -199,6 +207,14 @@ def recover_staging(run_dir: str, main: bool = True) -> list[str]:
     if os.path.isdir(staging) and not os.listdir(staging):
         os.rmdir(staging)
     return [line for line in lines if line]
+
+
+def _damaged_since_sealed(p: Publication, found: Found) -> str | None:
+    """Why a sealed staged copy cannot replace the complete copy beside it (checked only then: the seal was written
+    after its verification, but a disk error or a stray write since would otherwise cost the only good copy)."""
+    if not (found.staged and found.complete and (found.published or found.aside)):
+        return None
+    return checkpoint_problem(p.staged)
 
 
 def _expected_kind(path: str, suffix: str) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import TrainOutput
 
 from ..errors import NonFiniteWeightsError
@@ -250,17 +250,19 @@ class NanGuardTrainerMixin:
         self.accelerator.wait_for_everyone()
         if publishes_here(self):  # one process per storage: never a node sharing rank 0's (`save_on_each_node`)
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
+            if os.path.isfile(os.path.join(staged, TRAINING_ARGS_NAME)):  # saved with `save_total_limit=None`
+                torch.save(self.args, os.path.join(staged, TRAINING_ARGS_NAME))
             guard.state.save(staged, guard.spikes)  # with the spike window
             publish(staged, final)
         if guard.snapshotter is not None:
             guard.snapshotter.published(final)
         self.accelerator.wait_for_everyone()
+        if self.step_progress is not None:  # before the upload and the rotation: a kill there keeps it resumable
+            self.step_progress.published(run_dir, step)
         if self.args.push_to_hub and not self.guard_hooks.starting_checkpoint:
             self._push_from_checkpoint(final)
         if publishes_here(self):
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
-        if self.step_progress is not None:
-            self.step_progress.published(run_dir, step)
 
     def save_starting_checkpoint(self) -> None:
         """Publish the state training starts from as a checkpoint, for `nan_rollback_from="checkpoint"` (verified

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from guard_utils import checkpoint_steps
 from transformers import TrainerCallback
 
@@ -144,3 +145,46 @@ def test_the_helpers_never_follow_a_link(tmp_path):
     write_text_no_follow(str(whole), "{}")
     assert target.read_text() == "untouched\n" and whole.read_text() == "{}" and not whole.is_symlink()
     assert sorted(os.listdir(tmp_path)) == ["hang-stacks-rank0.txt", "nan_guard_state.json", "someone_elses.txt"]
+
+
+def test_an_output_dir_that_is_a_link_works_and_its_target_is_fsynced_at_publication(toy_models, tmp_path, monkeypatch):
+    real = tmp_path / "scratch" / "run"
+    real.mkdir(parents=True)
+    out = tmp_path / "out"
+    out.symlink_to(real, target_is_directory=True)  # a common, legitimate layout: no false alarm
+    synced, fsync = [], os.fsync
+
+    def recording_fsync(fd):  # the real fsync, recording what it flushed
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", save_steps=2, max_steps=2).train()
+    assert checkpoint_steps(str(real)) == [2] and not (real / STAGING_DIR).exists()
+    assert str(real) in synced  # the rename that published checkpoint-2 is durable (it was skipped behind the link)
+
+
+def test_checkpoints_record_the_runs_save_total_limit(toy_models, tmp_path):
+    out = tmp_path / "out"
+    build_trainer(
+        "dpo", toy_models["qwen2"], out, preset="guarded", save_steps=2, max_steps=2, save_total_limit=3
+    ).train()  # fmt: skip
+    saved = torch.load(out / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert saved.save_total_limit == 3  # what the run used, not the `None` set while the Trainer wrote in staging
+
+
+@pytest.mark.parametrize("planted", ["dangling link", "link to a directory", "file"])
+def test_what_is_at_a_checkpoints_name_is_replaced_never_followed(toy_models, tmp_path, planted):
+    elsewhere = _someone_elses_checkpoints(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = out / "checkpoint-2"
+    if planted == "file":
+        name.write_text("not a checkpoint")
+    else:
+        gone = planted == "dangling link"
+        name.symlink_to(tmp_path / "purged" if gone else elsewhere / "checkpoint-1", target_is_directory=True)
+    build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", save_steps=2, max_steps=2).train()
+    assert name.is_dir() and not name.is_symlink() and (name / "trainer_state.json").is_file()
+    assert (elsewhere / "checkpoint-1" / "weights.bin").read_text() == "precious"
+    assert not (out / STAGING_DIR).exists()

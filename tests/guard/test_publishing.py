@@ -19,6 +19,8 @@ from safe_trainers.guard.publishing import (
     PUBLISH_STEPS, Found, Publication, publish, recover_staging, recovery_actions,
 )  # fmt: skip
 from safe_trainers.restarts.checkpoint_choice import checkpoint_problem, choose_checkpoint
+from safe_trainers.restarts.resume_plan import this_launchs
+from safe_trainers.restarts.step_record import read_progress
 from safe_trainers.testing.build import build_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,20 +72,21 @@ def test_a_crash_at_any_point_of_a_publication_leaves_a_complete_checkpoint(fini
 
 def _complete_copies(found: Found, actions: tuple[str, ...]) -> int:
     """How many complete copies of checkpoint-N are left once `actions` ran on what `found` says is there."""
-    published = found.published or "restore_aside" in actions or "publish" in actions
+    published = found.published or "restore_aside" in actions or ("publish" in actions and not found.damaged)
     kept_staged = found.staged and "discard_staged" not in actions and "publish" not in actions
     kept_aside = found.aside and "discard_aside" not in actions and "restore_aside" not in actions
     return published + kept_aside + kept_staged
 
 
-@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=4)))
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=5)))
 def test_recovery_never_removes_the_last_complete_copy(flags):
     found = Found(*flags)
     actions = recovery_actions(found)
-    had = found.published or found.aside or (found.staged and found.complete)
+    usable = found.staged and found.complete and not found.damaged
+    had = found.published or found.aside or usable
     if had:
         assert _complete_copies(found, actions) >= 1
-    assert not (found.staged and found.complete and "discard_staged" in actions)
+    assert not (usable and "discard_staged" in actions)
     assert "discard_aside" not in actions or found.published  # a replaced copy goes only when checkpoint-N is there
 
 
@@ -133,3 +136,40 @@ def test_a_run_killed_while_replacing_a_checkpoint_resumes_from_it(toy_models, f
     trainer.train(resume_from_checkpoint=True)
     assert first_steps[0] == 5 and trainer.state.global_step == 6  # resumed from checkpoint-4
     assert checkpoint_steps(out) == [2, 4, 6] and not os.path.exists(staging_run_dir(out))
+
+
+@pytest.mark.parametrize("k", [1, 2])  # sealed, checkpoint-4 still there; sealed and the old copy set aside
+def test_a_sealed_copy_damaged_since_never_replaces_a_complete_one(finished_run, tmp_path, k):
+    run_dir = str(tmp_path / "out")
+    shutil.copytree(finished_run, run_dir)
+    p = _crash_after(run_dir, k)
+    with open(os.path.join(p.staged, "model.safetensors"), "r+b") as f:
+        f.truncate(100)  # damaged after it was sealed (a disk error, a stray write)
+    lines = recover_staging(run_dir)
+    final = checkpoint_dir(run_dir, 4)
+    assert checkpoint_problem(final) is None and not os.path.exists(os.path.join(final, NEW))  # the old copy
+    assert choose_checkpoint(run_dir).path == final and not os.path.exists(staging_run_dir(run_dir))
+    assert any("model.safetensors" in line and p.staged in line for line in lines)  # says why
+
+
+RECORD_SCRIPT = r"""
+import os
+from safe_trainers.guard import trainer_hooks
+from safe_trainers.testing.build import build_trainer
+
+def die(*args, **kwargs):
+    os._exit(9)  # killed once checkpoint-4 is published, while older ones are rotated (or uploaded)
+trainer_hooks.rotate_up_to = die
+build_trainer("dpo", {model!r}, {out!r}, preset="guarded", save_steps=2, max_steps=4).train()
+"""
+
+
+def test_a_checkpoint_is_in_the_step_record_as_soon_as_it_is_published(toy_models, tmp_path):
+    out = str(tmp_path / "out")
+    script = RECORD_SCRIPT.format(out=out, model=toy_models["qwen2"])
+    env = dict(os.environ, PYTHONPATH=REPO)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 9 and checkpoint_steps(out) == [2], done.stderr[-3000:]
+    record = read_progress(out)
+    assert record.history.checkpoints == (2,)  # a restart of the launch resumes from it, not from the start
+    assert this_launchs(record)(checkpoint_dir(out, 2)) is None
