@@ -8,14 +8,10 @@ back when `train()` leaves, by a return or an exception; a second run is refused
 [`OutputDirInUseError`] naming the directory and the process (host, pid) that holds it. It applies with
 `nan_guard=False` too: the healthy resume reads the step record there, and transformers' rotation deletes checkpoints.
 
-The lock is a POSIX lock on the whole file: an open file description lock (`F_OFD_SETLK`, Linux), else a record lock
-(`fcntl.lockf`). The kernel drops it when its process ends, however it ends (a crash, SIGKILL, the elastic agent
-stopping the worker group before a restart), so a lock left by a dead process never blocks a restart; the file itself
-stays (removing a lock file races with a process that just opened it). It is the kind NFS carries to the server:
-NFSv4, and NFSv3 with its lock manager, lock between nodes. A record lock is dropped when its process closes any
-descriptor of the file, and the run's own process reads every file in `output_dir` when it uploads it to the Hub
-(`push_to_hub`, at every save): a lock of the open description is not, and a child the process forks (a dataloader
-worker, which could outlive a killed trainer) closes its copy of the descriptor at once ([`_close_in_child`]).
+The lock is a POSIX lock on the whole file, of the open file description (`F_OFD_SETLK`, Linux; else `lockf`): the
+kernel drops it when its process ends, however it ends, so a dead process's lock never blocks a restart; it is kept
+when the process closes another descriptor of the file (its own Hub upload of `output_dir` reads every file), and a
+forked child closes its copy at once ([`_close_in_child`]). NFS carries such locks to the server; the file stays.
 
 The file names the holder ([`Holder`]: host, pid, the launch's elastic agents and restart count, a token of the run),
 for the message and for two cases that are not a second run (see [`decide`]):
@@ -172,11 +168,11 @@ def acquire(args: Any) -> OutputDirLock:
     mine, ours, refused, failed = OutputDirLock(path), None, None, None
     if args.process_index == 0:
         ours = Holder(socket.gethostname(), os.getpid(), agents, restart_count(os.environ), uuid.uuid4().hex)
-        mine, refused, failed = _take(path, ours)
+        mine, refused, failed = take(path, ours)
     ours, refused, failed = broadcast_object_list([(ours, refused, failed)])[0]
     if refused is None and failed is None:
         if args.local_process_index == 0 and args.process_index != 0:
-            mine, refused, failed = _take(path, ours)
+            mine, refused, failed = take(path, ours)
         answers = gather_object([(refused, failed)])
         refused = next((r for r, _ in answers if r is not None), None)
         failed = next((f for _, f in answers if f is not None), None)
@@ -193,16 +189,16 @@ def acquire(args: Any) -> OutputDirLock:
     return mine
 
 
-def _take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None, OSError | None]:
-    """[`take`], with an `OSError` (a link at the lock file, permissions, a full disk) returned to be shared."""
+def take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None, OSError | None]:
+    """Try the lock at `path` for the run `ours`, without waiting; on success the file names `ours`. An `OSError` (a
+    link at the lock file, permissions, a full disk) is returned, for every rank to raise."""
     try:
-        return (*take(path, ours), None)
+        return (*_take(path, ours), None)
     except OSError as error:
         return OutputDirLock(path), None, error
 
 
-def take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None]:
-    """Try the lock at `path` for the run `ours`, without waiting; on success the file names `ours`."""
+def _take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None]:
     key = os.path.realpath(path)
     if key in _HELD:  # a `train()` call of this process holds it now
         return OutputDirLock(path, "refused"), Refusal(Holder(socket.gethostname(), os.getpid()))
@@ -224,7 +220,7 @@ def take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None]:
             "not refused. Run one job per `output_dir` (or mount it with locks: NFS without `nolock`, Lustre with "
             "`flock`)."
         )
-    elif role == "after_dead_attempt":
+    elif role == "after_dead_attempt":  # the agent stopped those workers before this restart
         logger.warning(
             f"The lock on {path} is still held in the name of attempt {seen.restart} of this launch (process "
             f"{seen.pid} on host {seen.host!r}), whose workers the elastic agent stopped before this restart: going "
