@@ -263,6 +263,8 @@ class NanGuardTrainerMixin:
             self._push_from_checkpoint(final)
         if publishes_here(self):
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
+        if self.step_progress is not None:  # again, without the checkpoints the rotation removed
+            self.step_progress.published(run_dir, step)
 
     def save_starting_checkpoint(self) -> None:
         """Publish the state training starts from as a checkpoint, for `nan_rollback_from="checkpoint"` (verified
