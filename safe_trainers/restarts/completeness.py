@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import zipfile
 from collections.abc import Callable
@@ -62,6 +63,8 @@ def incomplete_file(path: str) -> str | None:
     safetensors or torch file."""
     name = os.path.basename(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO blocks until another process writes to it
+            return "is not a regular file (a FIFO, device or socket: reading it can block or never end)"
         if name.endswith(".json"):
             return _json_problem(path, name)
         if name.endswith(".safetensors"):
