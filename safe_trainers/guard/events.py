@@ -130,7 +130,7 @@ def _lines(path: str) -> list[tuple[str, dict[str, Any] | None]]:
 def _event(path: str, number: int, line: str) -> dict[str, Any] | None:
     try:
         event = json.loads(line)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nested too deep to parse
         return _not_an_event(path, number, f"does not parse ({type(error).__name__}: {error})")
     if not isinstance(event, dict) or type(event.get("step", 0)) is not int:
         return _not_an_event(path, number, "is not an object with an integer `step`")

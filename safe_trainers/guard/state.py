@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -60,7 +61,7 @@ class GuardState:
             with open(path, "rb") as f:
                 saved = json.loads(f.read(GUARD_STATE_LIMIT + 1))
             problem = guard_state_problem(saved)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RecursionError) as error:
             problem = f"does not parse ({type(error).__name__}: {error})"
         if problem is not None:
             logger.warning(f"NaN guard: `{path}` {problem}; it is not used: the guard's counters start at 0.")
@@ -93,6 +94,11 @@ def guard_state_problem(saved: Any) -> str | None:
         if key in saved and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             return f"holds `{key}` of type `{type(value).__name__}`"
     window = saved.get("spike_window") or {}
-    if not all(isinstance(v, list) and all(isinstance(x, _NUMBER) for x in v) for v in window.values()):
+    if not all(isinstance(v, list) and all(_float(x) for x in v) for v in window.values()):
         return "holds a `spike_window` that is not lists of numbers"
     return None
+
+
+def _float(value: Any) -> bool:
+    """Whether `value` is a number the window's float tensor can hold (an integer past a float's range is not)."""
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= sys.float_info.max)

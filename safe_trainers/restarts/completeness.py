@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import zipfile
-
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
+from transformers import TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
 from ..guard.state import GUARD_STATE_FILE, guard_state_problem
@@ -40,7 +42,8 @@ BACKEND_STATE_PREFIXES = ("global_step", "pytorch_model_fsdp")
 JSON_LIMIT = 512 * 2**20
 # The largest safetensors header read (the bound the safetensors library itself enforces).
 HEADER_LIMIT = 100_000_000
-# What the resume reads of `trainer_state.json` (transformers' `TrainerState` fields): field -> the types it accepts.
+# What the resume reads of `trainer_state.json` (transformers' `TrainerState` fields): field -> the types it accepts;
+# transformers restores the file with `TrainerState(**fields)`, so a field it does not have fails the resume.
 TRAINER_STATE_TYPES: dict[str, tuple[type, ...]] = {
     "global_step": (int,),
     "epoch": (int, float, type(None)),
@@ -60,6 +63,8 @@ def incomplete_file(path: str) -> str | None:
     safetensors or torch file."""
     name = os.path.basename(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO blocks until another process writes to it
+            return "is not a regular file (a FIFO, device or socket: reading it can block or never end)"
         if name.endswith(".json"):
             return _json_problem(path, name)
         if name.endswith(".safetensors"):
@@ -98,7 +103,7 @@ def read_json(path: str, limit: int = JSON_LIMIT) -> tuple[Any, str | None]:
             return None, f"is {size} bytes, over the {limit} read for a JSON file (not read)"
         with open(path, "rb") as f:
             return json.loads(f.read(limit + 1)), None
-    except ValueError as error:  # also a UnicodeDecodeError
+    except (ValueError, RecursionError) as error:  # also a UnicodeDecodeError; JSON nested too deep to parse
         return None, f"does not parse ({type(error).__name__}: {error})"
     except OSError as error:
         return None, f"cannot be read ({type(error).__name__}: {error})"
@@ -109,6 +114,9 @@ def trainer_state_problem(value: Any) -> str | None:
     `None`."""
     if not (isinstance(value, dict) and isinstance(value.get("global_step"), int)):
         return "holds no `global_step`"
+    unknown = sorted(set(value) - {f.name for f in fields(TrainerState)})
+    if unknown:
+        return f"holds `{unknown[0][:80]}`, not a field of transformers' `TrainerState` (it cannot restore the file)"
     for key, types in TRAINER_STATE_TYPES.items():
         if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool)):
             return f"holds `{key}` of type `{type(value[key]).__name__}`"
@@ -142,7 +150,7 @@ def _safetensors_problem(path: str) -> str | None:
             return f"is truncated (a header of {length} bytes in a file of {size})"
         try:
             header = json.loads(f.read(length))
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:
             return f"has a header that does not parse ({type(error).__name__}: {error})"
     if not isinstance(header, dict):
         return "has a header that is not an object"

@@ -52,6 +52,8 @@ DCP_METADATA_GLOBALS = {
 }  # fmt: skip
 ALLOWED_GLOBALS = DEEPSPEED_GLOBALS | DCP_METADATA_GLOBALS
 DEEPSPEED_LATEST = ("latest", "latest_universal")
+# The longest `latest` file read (a tag is a directory name); DeepSpeed reads all of a longer one.
+LATEST_LIMIT = 256
 DCP_METADATA = ".metadata"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 # The most bytes of pickle read from one file (a torch file's `data.pkl`, a `.metadata`, a `.distcp` item): the
@@ -66,10 +68,10 @@ def unsafe_state_problem(path: str, trusted: Iterable[str] = ()) -> str | None:
     for name in sorted(os.listdir(path)):
         sub = os.path.join(path, name)
         if name in DEEPSPEED_LATEST and os.path.isfile(sub):
-            problem = _latest_problem(path, sub)
+            problem = _latest_problem(path, sub, allowed)
         elif name.startswith("global_step") and os.path.isdir(sub):
-            problem = _first(_torch_file_problem(f, allowed) for f in _files(sub, TORCH_SUFFIXES))
-        elif os.path.isfile(os.path.join(sub, DCP_METADATA)):
+            problem = _tag_problem(sub, allowed)
+        elif os.path.lexists(os.path.join(sub, DCP_METADATA)):
             problem = _dcp_problem(sub, allowed)
         else:
             continue
@@ -93,13 +95,29 @@ def _files(directory: str, suffixes: tuple[str, ...]) -> list[str]:
     return [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.endswith(suffixes)]
 
 
-def _latest_problem(path: str, latest: str) -> str | None:
+def _latest_problem(path: str, latest: str, allowed: set[str]) -> str | None:
+    """DeepSpeed loads the tag directory `latest` names (all of the file, stripped), whatever its name: it must be a
+    directory of the checkpoint, and its files are checked as a `global_step*` one's."""
     with open(latest, "rb") as f:
-        tag = f.read(256).decode("utf-8", "replace").strip()
+        raw = f.read(LATEST_LIMIT + 1)
+    tag = raw[:LATEST_LIMIT].decode("utf-8", "replace").strip()
+    name = os.path.basename(latest)
+    if len(raw) > LATEST_LIMIT:
+        return f"`{name}` names `{tag[:80]}...`, over {LATEST_LIMIT} bytes (not read to the end; DeepSpeed loads it)"
     if os.path.basename(tag) != tag or tag in ("", ".", "..") or not os.path.isdir(os.path.join(path, tag)):
-        name = os.path.basename(latest)
         return f"`{name}` names `{tag[:80]}`, not a `global_step*` directory of the checkpoint (DeepSpeed loads it)"
-    return None
+    return None if tag.startswith("global_step") else _tag_problem(os.path.join(path, tag), allowed)
+
+
+def _tag_problem(directory: str, allowed: set[str]) -> str | None:
+    return _first(_torch_file_problem(f, allowed) for f in _files(directory, TORCH_SUFFIXES))
+
+
+def _not_regular(file: str) -> str | None:
+    """Why the backend would not read `file` to its end as a file (a FIFO blocks, and runs what is written to it)."""
+    if os.path.isfile(file):
+        return None
+    return f"`{file}` is not a regular file (missing, or a FIFO, device or socket: reading it can block or never end)"
 
 
 def _needs(file: str, names: Iterable[str]) -> str:
@@ -109,6 +127,8 @@ def _needs(file: str, names: Iterable[str]) -> str:
 
 def _torch_file_problem(file: str, allowed: set[str]) -> str | None:
     """Load `file` with torch's safe unpickler and the allowlist (tensors memory-mapped, not read)."""
+    if _not_regular(file):
+        return _not_regular(file)
     if not zipfile.is_zipfile(file):
         return f"`{file}` is not a torch zip file (cannot be checked)"
     with zipfile.ZipFile(file) as archive:
@@ -126,6 +146,8 @@ def _torch_file_problem(file: str, allowed: set[str]) -> str | None:
 
 def _dcp_problem(directory: str, allowed: set[str]) -> str | None:
     metadata_path = os.path.join(directory, DCP_METADATA)
+    if _not_regular(metadata_path):
+        return _not_regular(metadata_path)
     if os.path.getsize(metadata_path) > PICKLE_LIMIT:
         return f"`{metadata_path}` is over {PICKLE_LIMIT} bytes (cannot be checked)"
     with open(metadata_path, "rb") as f:
@@ -159,6 +181,8 @@ def _dcp_item_problem(directory: str, fqn: str, info: Any, allowed: set[str]) ->
     if not (isinstance(offset, int) and isinstance(length, int) and 0 <= length <= PICKLE_LIMIT and offset >= 0):
         return f"`{directory}/{DCP_METADATA}` gives `{fqn}` an offset or length out of bounds"
     file = os.path.join(directory, name)
+    if _not_regular(file):
+        return _not_regular(file)
     with open(file, "rb") as f:
         f.seek(offset)
         raw = f.read(length)

@@ -203,7 +203,7 @@ def read_progress(output_dir: str) -> Progress | None:
     try:
         with open(os.path.join(output_dir, PROGRESS_FILE), "rb") as f:
             return Progress.from_json(f.read(RECORD_LIMIT + 1))
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
         return None
 
 

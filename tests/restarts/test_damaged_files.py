@@ -76,6 +76,15 @@ DAMAGE = [
     ("guard_state_list", "nan_guard_state.json", b"[1, 2]", "incomplete: `nan_guard_state.json` is a JSON `list`"),
     ("guard_state_wrong_types", "nan_guard_state.json", b'{"skipped_steps": "x"}',
      "incomplete: `nan_guard_state.json` holds `skipped_steps` of type `str`"),
+    ("trainer_state_nested", "trainer_state.json", b"[" * 100_000,
+     "incomplete: `trainer_state.json` does not parse (RecursionError"),
+    ("index_nested", INDEX, b'{"weight_map": ' + b"[" * 100_000, f"incomplete: `{INDEX}` does not parse (RecursionError"),
+    ("safetensors_header_nested", "model.safetensors", struct.pack("<Q", 100_000) + b"[" * 100_000,
+     "incomplete: `model.safetensors` has a header that does not parse (RecursionError"),
+    ("trainer_state_unknown_field", "trainer_state.json", b'{"global_step": 4, "loss_scale": 1}',
+     "incomplete: `trainer_state.json` holds `loss_scale`, not a field of transformers' `TrainerState`"),
+    ("guard_state_spike_overflow", "nan_guard_state.json", b'{"spike_window": {"loss": [1' + b"0" * 400 + b'], "grad_norm": [1.0]}}',
+     "incomplete: `nan_guard_state.json` holds a `spike_window` that is not lists of numbers"),
 ]  # fmt: skip
 
 
@@ -101,7 +110,9 @@ def test_a_damaged_file_passes_the_checkpoint_over_with_the_reason(run, tmp_path
     assert passed.path == checkpoint and passed.reason.startswith(reason), passed.reason
 
 
-@pytest.mark.parametrize("case", ["index_shard_climbs_out", "safetensors_entry_not_object", "guard_state_list"])
+@pytest.mark.parametrize(
+    "case", ["index_shard_climbs_out", "safetensors_entry_not_object", "guard_state_list", "trainer_state_unknown_field"]
+)
 def test_resume_true_goes_on_from_the_good_checkpoint_beside_a_damaged_one(run, tmp_path, toy_models, case):
     out, seen = run
     name, content, reason = next(d[1:] for d in DAMAGE if d[0] == case)
@@ -122,6 +133,7 @@ def test_a_bad_line_of_the_event_log_is_skipped_with_a_warning(run, toy_models, 
         '{"step": 2, "kind": "sk',  # a line cut short
         '{"step": "x"}',
         "[1, 2]",
+        "[" * 100_000,  # nested past Python's recursion limit
         json.dumps({"step": 3, "kind": "skip", "nonfinite": ["loss"], "ranks": [0]}),
     ]
     with open(os.path.join(out, "nan_events.jsonl"), "w") as f:
@@ -151,3 +163,20 @@ def test_a_malformed_step_record_is_not_used(tmp_path, change):
     assert read_progress(str(tmp_path)).step == 3
     path.write_text(json.dumps({**record, **change}))
     assert read_progress(str(tmp_path)) is None
+
+
+def test_a_step_record_nested_past_the_recursion_limit_is_not_used(tmp_path):
+    (tmp_path / ".safe_trainers_progress.json").write_text("[" * 100_000)
+    assert read_progress(str(tmp_path)) is None
+
+
+def test_a_spike_window_of_numbers_no_float_holds_passes_the_checkpoint_over(run, toy_models, tmp_path):
+    out, seen = run
+    name, content, reason = next(d[1:] for d in DAMAGE if d[0] == "guard_state_spike_overflow")
+    damage(out, tmp_path, name, content)
+    resumed = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", max_steps=6, save_steps=2,
+                            nan_spike_factor=3.0, trainer_cls=recording(trainer_class("dpo")))  # fmt: skip
+    resumed.train(resume_from_checkpoint=True)  # the window is read at the first step
+    assert [step for step, _ in resumed.seen] == [3, 4, 5, 6]  # from checkpoint-2
+    event = [e for e in read_events(out) if e["kind"] == "resume"][-1]
+    assert event["passed_over"][0]["reason"].startswith(reason)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import threading
 
 import pytest
 import torch
@@ -106,3 +107,73 @@ def test_latest_naming_a_tag_outside_the_checkpoint_is_refused(finished_run, tmp
     with open(os.path.join(checkpoint, "latest"), "w") as f:
         f.write("../elsewhere")
     assert safety_problem(checkpoint).startswith("unsafe: `latest` names `../elsewhere`, not a `global_step*`")
+
+
+def test_latest_naming_another_tag_of_the_checkpoint_is_checked_too(finished_run, tmp_path):
+    """DeepSpeed loads the tag `latest` names, whatever its name: a payload there is found, not only in `global_step*`."""
+    reference, _ = finished_run
+    out = str(tmp_path / "out")
+    shutil.copytree(reference, out)
+    planted = os.path.join(out, "checkpoint-9")
+    shutil.copytree(os.path.join(out, "checkpoint-4"), planted)
+    marker = str(tmp_path / "payload-ran")
+    plant_deepspeed(planted, marker)
+    os.rename(os.path.join(planted, "global_step9"), os.path.join(planted, "tag"))
+    os.makedirs(os.path.join(planted, "global_step9"))  # what transformers looks for before it calls DeepSpeed
+    torch.save({"module": {"w": torch.zeros(2)}}, os.path.join(planted, "global_step9", "mp_rank_00_model_states.pt"))
+    with open(os.path.join(planted, "latest"), "w") as f:
+        f.write("tag")
+    assert safety_problem(planted).startswith("unsafe: `tag/mp_rank_00_model_states.pt` needs `posix.system`")
+    with open(os.path.join(planted, "latest"), "w") as f:  # DeepSpeed reads all of it: a tag past what is read
+        f.write("global_step9" + " " * 300 + "x")
+    assert safety_problem(planted).startswith("unsafe: `latest` names")
+    assert choose_checkpoint(out).path == os.path.join(out, "checkpoint-4")
+    assert not os.path.exists(marker)
+
+
+def unblock(fifo: str) -> None:
+    """Let a reader blocked on `fifo` go on (it reads the end of the file)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader waits on it
+        pass
+
+
+@pytest.mark.parametrize("place", ["global_step9/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                   "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp"])  # fmt: skip
+def test_a_fifo_in_the_backend_state_is_passed_over_unread(finished_run, tmp_path, place):
+    """Reading a FIFO blocks until another process writes to it (what it writes, the loader runs): the choice never
+    opens one, and passes its checkpoint over (DeepSpeed and DCP would open it)."""
+    reference, _ = finished_run
+    out = str(tmp_path / "out")
+    shutil.copytree(reference, out)
+    planted = os.path.join(out, "checkpoint-9")
+    shutil.copytree(os.path.join(out, "checkpoint-4"), planted)
+    if place.startswith("global_step"):
+        plant_deepspeed(planted, str(tmp_path / "unused"))
+        torch.save({"module": {}}, os.path.join(planted, "global_step9", "mp_rank_00_model_states.pt"))
+    else:
+        plant_real_dcp(planted)
+    fifo = os.path.join(planted, place)
+    if os.path.exists(fifo):
+        os.remove(fifo)
+    os.mkfifo(fifo)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(choice=choose_checkpoint(out)), daemon=True)
+    thread.start()
+    thread.join(60)
+    blocked = thread.is_alive()
+    unblock(fifo)
+    thread.join()
+    assert not blocked, f"the checkpoint choice blocked opening `{place}`"
+    choice = result["choice"]
+    assert choice.path == os.path.join(out, "checkpoint-4")
+    assert f"`{place}` is not a regular file" in choice.passed_over[0].reason, choice.passed_over[0].reason
+
+
+def plant_real_dcp(checkpoint: str) -> None:
+    """A DCP directory as FSDP's `SHARDED_STATE_DICT` writes it, with a non-tensor item (loaded with pickle)."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = os.path.join(checkpoint, "pytorch_model_fsdp_0")
+    dcp.save({"model": {"w": torch.zeros(2), "step": 3}}, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
