@@ -57,7 +57,7 @@ class TrainerSetup:
             and the overrides); `None` for a config object, see [`~TrainerSetup.user_set`].
         code_not_run (`bool`):
             `args.trust_remote_code` is set but the model's own code was not run (`safe-trainers check` without
-            `--trust-remote-code`): `model_config` was read as data (see [`~safe_trainers.rules.config_data`]).
+            `--run-model-code`): `model_config` was read as data (see [`~safe_trainers.rules.config_data`]).
     """
 
     kind: str
