@@ -112,6 +112,21 @@ def test_trls_trust_remote_code_override_is_the_setting_not_the_opt_in(toy_model
         assert "the model's own code was not run" in output, output
 
 
+def test_trust_remote_code_in_model_init_kwargs_is_read_as_data_too(toy_models, tmp_path):
+    # TRL's trainers load the model with `model_init_kwargs`' own `trust_remote_code` (it wins over the setting), so
+    # the check reads that model as one of `trust_remote_code: true`: as data, and says so.
+    # was: "could not read `config.json`", and the model-specific rules were not checked
+    model, marker = remote_code_model(toy_models, tmp_path, "lint_probe")
+    config = tmp_path / "init-kwargs.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\n"
+                      "model_init_kwargs:\n  trust_remote_code: true\n")  # fmt: skip
+    done = check_process(["--trainer", "dpo", "--config", str(config), "--model", model], tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert not marker.exists(), output
+    assert "the model's own code was not run" in output and "could not read `config.json`" not in output, output
+
+
 def test_the_launch_scripts_still_apply_env_as_trl_does(tmp_path, monkeypatch):
     from safe_trainers.scripts.launch import parse_args
 
