@@ -150,6 +150,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..arguments import SafetyArguments
     from ..configs import config_class as kind_config
     from ..kinds import get_kind
+    from ..redact import hide_in_text
     from ..scripts.rewards import unbuilt_reward_warning
     from ..scripts.launch import has_accelerator, model_and_peft, parse_args
     from ..scripts.preflight import check_argv, settings_problems
@@ -187,7 +188,7 @@ def run(ns: argparse.Namespace) -> int:
                 prog="safe-trainers check",
             )
     except (ValueError, OSError) as error:  # the config itself is invalid (TRL's or transformers' own checks)
-        problems.append(str(error))
+        problems.append(hide_in_text(str(error)))  # their messages quote the values they received
     else:
         # The launch scripts' input checks: a bad value fails; what this machine lacks (the model, the dataset) is
         # noted, since the run may train elsewhere. The Hub is decided about here, before `config.json` is read.
