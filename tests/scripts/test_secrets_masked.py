@@ -131,7 +131,8 @@ def test_a_token_in_an_error_of_trls_parser_is_not_repeated(toy_models, tmp_path
 def test_a_password_in_a_url_is_hidden_and_the_rest_shown(toy_models, tmp_path, capsys):
     # was: the note quoted `https://reader:pw-Probe123@...` whole
     config = tmp_path / "c.yaml"
-    config.write_text(f"output_dir: {tmp_path / 'out'}\ndataset_name: https://reader:pw-Probe123@data.example/d.json\n")
+    config.write_text(f"output_dir: {tmp_path / 'out'}\n"
+                      "dataset_name: https://reader:pw-Probe123@data.example/d.json\n")  # fmt: skip
     cli(["check", "--trainer", "dpo", "--config", str(config), "--model", toy_models["qwen2"]])
     out = capsys.readouterr()
     assert "pw-Probe123" not in out.out + out.err
