@@ -49,6 +49,11 @@ TOKEN_SHAPES = re.compile(
     r"|xox[abprs]-[A-Za-z0-9\-]{10,}|AKIA[0-9A-Z]{16})"
 )
 
+# The password of a URL's user info (`https://user:password@host/...`): hidden, the rest of the URL shown.
+URL_PASSWORD = re.compile(r"(:/{1,2}[^/\s:@]*:)[^/\s@]+(@)")  # `:/` too: the URL as a path
+# A known token's shape inside a longer text (an upstream error that quotes the value it received).
+TOKEN_IN_TEXT = re.compile(rf"(?<![A-Za-z0-9_\-])(?:{TOKEN_SHAPES.pattern})(?![A-Za-z0-9_\-])")
+
 
 def name_words(name: str) -> list[str]:
     """The words of a setting's or a variable's name, lowercased: `--hub-token` and `hfToken` as `["hub", "token"]`,
@@ -96,7 +101,7 @@ def looks_like_token(value: Any) -> bool:
 def mask_secret(name: str, value: Any) -> Any:
     """`value` as a message or a report may show it for the setting `name`: [`HIDDEN`] for a credential (see
     [`looks_like_secret`] and [`looks_like_token`]; `None`, a bool and an empty string are shown, they hold none), a
-    mapping with its credentials' values hidden, `value` itself otherwise. Pure.
+    mapping with its credentials' values hidden, a URL with its password hidden, `value` itself otherwise. Pure.
 
     Args:
         name (`str`): the setting's name as written (`hub_token`, `--hub-token`, `args.hub_token`, `HF_TOKEN`).
@@ -110,7 +115,13 @@ def mask_secret(name: str, value: Any) -> Any:
         return type(value)(mask_secret(name, item) for item in value)
     if looks_like_secret(name.rsplit(".", 1)[-1]) or looks_like_token(value):
         return HIDDEN
-    return value
+    return URL_PASSWORD.sub(rf"\1{HIDDEN}\2", value) if isinstance(value, str) else value
+
+
+def hide_in_text(text: str) -> str:
+    """`text` (a message of TRL's, transformers' or argparse's that quotes the values it received) with known tokens'
+    values and URLs' passwords shown as `<hidden>`. Pure."""
+    return URL_PASSWORD.sub(rf"\1{HIDDEN}\2", TOKEN_IN_TEXT.sub(str(HIDDEN), text))
 
 
 def shown(name: str, value: Any) -> str:
@@ -118,4 +129,4 @@ def shown(name: str, value: Any) -> str:
     return repr(mask_secret(name, value))
 
 
-__all__ = ["HIDDEN", "looks_like_secret", "looks_like_token", "mask_secret", "name_words", "shown"]
+__all__ = ["HIDDEN", "hide_in_text", "looks_like_secret", "looks_like_token", "mask_secret", "name_words", "shown"]

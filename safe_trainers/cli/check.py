@@ -23,7 +23,7 @@ examples:
 Arguments the check does not know are config overrides (TRL's flags, e.g. `--fp16 true`), as for the launch
 scripts; `--` before them is optional.
 The check runs nothing the config would: not the model's own code (`trust_remote_code: true`; `config.json` is read as
-data unless `--trust-remote-code` is given), and never the config's `env:` mapping (what it would set is shown).
+data unless `--run-model-code` is given), and never the config's `env:` mapping (what it would set is shown).
 Exit codes: 0 no finding about your settings (a changed library default, such as TRL's `logging_nan_inf_filter=True`,
 is reported apart and does not count), 1 `safety_mode=strict` would fail, 2 the config is invalid for the target.
 A `reward_funcs` name the launch scripts cannot build (open-r1's `accuracy`, `code`, ...) is a warning on stderr and
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="Print the safety report for a config without training (exit 1 if `safety_mode=strict` would fail).",
         description="Runs the construction-time rules on a YAML config (the same file the launch scripts take) for "
         "the target hardware, and prints what they would change. Only `config.json` and the tokenizer files are read "
-        "from the model: no weight is loaded, and none of the model's own code is run unless `--trust-remote-code`.",
+        "from the model: no weight is loaded, and none of the model's own code is run unless `--run-model-code`.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # an override such as `--model_init_kwargs` must never be read as one of these options
@@ -54,13 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", required=True, help="A YAML config, as taken by `launch/train_<trainer>.py`.")
     parser.add_argument("--model", default=None, help="Model path or id (overrides `model_name_or_path`).")
     parser.add_argument(
-        "--trust-remote-code",
-        "--trust_remote_code",
-        dest="trust_remote_code",
+        "--run-model-code",
+        "--run_model_code",
+        dest="run_model_code",
         action="store_true",
         help="With `trust_remote_code: true` in the config, run the model repository's own code "
         "(`configuration_*.py`, `tokenization_*.py`, downloaded from the Hub if needed) to read its config and "
-        "tokenizer, as the trainer will. Without it, `config.json` is read as data and the report says so.",
+        "tokenizer, as the trainer will. Without it, `config.json` is read as data and the report says so. "
+        "(`--trust_remote_code` is TRL's setting here too, as for the launch scripts.)",
     )
     target = parser.add_argument_group(
         "target hardware",
@@ -149,6 +150,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..arguments import SafetyArguments
     from ..configs import config_class as kind_config
     from ..kinds import get_kind
+    from ..redact import hide_in_text
     from ..scripts.rewards import unbuilt_reward_warning
     from ..scripts.launch import has_accelerator, model_and_peft, parse_args
     from ..scripts.preflight import check_argv, settings_problems
@@ -186,7 +188,7 @@ def run(ns: argparse.Namespace) -> int:
                 prog="safe-trainers check",
             )
     except (ValueError, OSError) as error:  # the config itself is invalid (TRL's or transformers' own checks)
-        problems.append(str(error))
+        problems.append(hide_in_text(str(error)))  # their messages quote the values they received
     else:
         # The launch scripts' input checks: a bad value fails; what this machine lacks (the model, the dataset) is
         # noted, since the run may train elsewhere. The Hub is decided about here, before `config.json` is read.
@@ -209,7 +211,7 @@ def run(ns: argparse.Namespace) -> int:
     model, training_args, peft_config = model_and_peft(ns.trainer, model_args, training_args)
     setup = build_setup(
         ns.trainer, training_args, model, peft_config=peft_config, hardware=hardware, explicit_args=explicit,
-        trust_remote_code=ns.trust_remote_code,
+        trust_remote_code=ns.run_model_code,
     )
     settings = SafetyArguments.from_config(training_args)
     _, report = run_setup_rules(setup, settings, raise_blocked=False)

@@ -85,14 +85,15 @@ def copy_config(args: Any, **changes: Any) -> Any:
 
     The copy shares the devices `args` set up unless `changes` touch a field they depend on (`DEVICE_FIELDS`):
     transformers' `__post_init__` reads `self.device`, which would reset accelerate's state (the user's own
-    `Accelerator` included) and set it up again."""
+    `Accelerator` included) and set it up again. A transformers that lacks one of these names (docs/design/upstream.md)
+    sets the copy's devices up again, as it does."""
     new = object.__new__(type(args))
     if hasattr(args, CHECKED_GROUP):
         setattr(new, CHECKED_GROUP, getattr(args, CHECKED_GROUP))  # set first: `__init__` sets only the fields
-    if DEVICE_SETUP in vars(args) and not DEVICE_FIELDS & set(changes):
-        for name in (DEVICE_SETUP, *DEVICE_STATE):  # the cached device and what setting it up recorded
-            if name in vars(args):
-                vars(new)[name] = vars(args)[name]
+    device_names = (DEVICE_SETUP, *DEVICE_STATE)  # the cached device and what setting it up recorded
+    if all(name in vars(args) for name in device_names) and not DEVICE_FIELDS & set(changes):
+        for name in device_names:  # all or none: a transformers that records others sets them up again, as it does
+            vars(new)[name] = vars(args)[name]
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     new.__init__(**{**values, **changes})
     return new

@@ -1,7 +1,7 @@
 """A model's `config.json` read as data, for a lint that must not run the model repository's own code.
 
 With `trust_remote_code=True`, `AutoConfig.from_pretrained` imports the repository's `configuration_*.py` (and
-downloads it from the Hub). `safe-trainers check` lints without running it unless asked (`--trust-remote-code`): it
+downloads it from the Hub). `safe-trainers check` lints without running it unless asked (`--run-model-code`): it
 reads the config with transformers' own class for its `model_type` when there is one (transformers ignores the
 repository's `auto_map` then), else the file's fields as a plain `PretrainedConfig`, and says so in the report.
 """
@@ -51,7 +51,7 @@ def code_not_run_note(model_config: Any, tokenizer_read: bool | None) -> str:
     tokenizer = "; no tokenizer could be read without it, so the tokenizer rules were not checked" if (
         tokenizer_read is False) else ""  # fmt: skip
     return (f"`trust_remote_code=True`: the model's own code was not run ({how}{tokenizer}). Pass "
-            "`--trust-remote-code` to `safe-trainers check` to run it, as the trainer will.")  # fmt: skip
+            "`--run-model-code` to `safe-trainers check` to run it, as the trainer will.")  # fmt: skip
 
 
 __all__ = ["code_not_run_note", "config_as_data"]

@@ -56,8 +56,9 @@ class TrainerSetup:
             The config fields the user set, when that is known (`safe-trainers check` reads them from the YAML file
             and the overrides); `None` for a config object, see [`~TrainerSetup.user_set`].
         code_not_run (`bool`):
-            `args.trust_remote_code` is set but the model's own code was not run (`safe-trainers check` without
-            `--trust-remote-code`): `model_config` was read as data (see [`~safe_trainers.rules.config_data`]).
+            `args.trust_remote_code` (or `model_init_kwargs`' own) is set but the model's own code was not run
+            (`safe-trainers check` without `--run-model-code`): `model_config` was read as data (see
+            [`~safe_trainers.rules.config_data`]).
     """
 
     kind: str
@@ -211,10 +212,12 @@ def build_setup(
 
     `trust_remote_code=False` reads a model whose config says `trust_remote_code=True` without running its own code
     (`safe-trainers check`): `config.json` as data, the report says so. `None` (the trainers) follows `args`."""
-    wanted = bool(getattr(args, "trust_remote_code", False))
+    init_kwargs = getattr(args, "model_init_kwargs", None) or {}
+    # TRL loads the model with `model_init_kwargs`' own `trust_remote_code` when it has one
+    wanted = bool(getattr(args, "trust_remote_code", False) or init_kwargs.get("trust_remote_code"))
     trusted = wanted if trust_remote_code is None else trust_remote_code and wanted
     code_not_run = wanted and not trusted and isinstance(model, str)
-    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+    revision = init_kwargs.get("revision")
     model_config = read_model_config(model, trust_remote_code=trusted, revision=revision)
     if model_config is None and code_not_run:
         model_config = config_as_data(model, revision)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..redact import shown
+from ..redact import hide_in_text, shown
 from .argv import config_path, join_negative_values, normalize_argv, resume_target  # the command line, re-exported
 from .hub import HubAccess
 from .places import DATA_FILE_EXTENSIONS, ConfigFile, Place
@@ -76,7 +76,7 @@ class InputProblem:
 
     @property
     def message(self) -> str:
-        return f"`{self.setting}={shown(self.setting, self.value)}` {self.problem}. {self.fix}"
+        return f"`{self.setting}={shown(self.setting, self.value)}` {hide_in_text(self.problem)}. {self.fix}"
 
 
 class InputError(ValueError):

@@ -17,6 +17,11 @@ NAMES = "tests/trainers/test_upstream_names.py"
 REPLAY = "tests/guard/test_guard_replay.py::test_the_replay_leaves_the_trainer_as_it_was"
 
 TRAINER = "transformers:Trainer"
+ARGS = "transformers:TrainingArguments"
+DEVICES = "cli/target.py, rules/apply.py"
+NO_DEVICE = "tests/rules/test_no_device_setup.py"
+DEVICE_TESTS = (f"{NO_DEVICE}::test_check_sets_up_no_device",
+                f"{NO_DEVICE}::test_the_fixed_copy_of_args_sets_up_nothing_new")
 TRAINER_HOOKS = "guard/trainer_hooks.py"
 TRANSFORMERS: tuple[T, ...] = (
     T(TRAINER, "_get_grad_norm", "method", "overrides", "5.3.0", TRAINER_HOOKS,
@@ -103,6 +108,16 @@ TRANSFORMERS: tuple[T, ...] = (
     T("transformers:PretrainedConfig", "_name_or_path", "attribute", "reads", "<=4.0", "rules/context.py",
       "the name (and tokenizer) of a model passed as an instance",
       ("tests/trainers/test_dropin.py::test_grpo_model_instance",)),
+    T(ARGS, "_setup_devices", "attribute", "overrides, reads, writes", "<=4.0", DEVICES,
+      "the config's cached device (a `cached_property`; the device itself since 4.2-4.5): `safe-trainers check` "
+      "replaces it to set up no device, the rules' fixed copy of `args` shares the cached one (without the three "
+      "device names the copy sets its devices up again, as transformers does)",
+      (*DEVICE_TESTS, f"{NO_DEVICE}::test_without_one_of_transformers_device_names_the_copy_sets_up_its_own")),
+    T(ARGS, "distributed_state", "attribute", "overrides, reads, writes", "4.28-4.29", DEVICES,
+      "accelerate's `PartialState` the cached device recorded: `None` for `check` (one process of the launch), "
+      "shared by the fixed copy", DEVICE_TESTS),
+    T(ARGS, "_n_gpu", "attribute", "writes, reads", "4.1-4.2", DEVICES,
+      "the GPU count the cached device recorded: set by `check`'s device, shared by the fixed copy", DEVICE_TESTS),
 )
 
 GENERATION = "guard/generation.py"

@@ -1,7 +1,7 @@
 """`safe-trainers check` is a lint: it executes nothing (issue 28, section 2). With `trust_remote_code: true` in the
 linted config it imported the model repository's `configuration_*.py`, and it applied the config's `env:` mapping to
 its own process (TRL's parser does that while parsing). Now it reads `config.json` as data, says the model's code was
-not run, runs it only with `--trust-remote-code`, and never applies `env:` (the launch scripts still do, as TRL)."""
+not run, runs it only with `--run-model-code`, and never applies `env:` (the launch scripts still do, as TRL)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_check_runs_no_model_code_and_applies_no_env_in_process(toy_models, tmp_
     assert applied is None, output
     assert code == 0, output  # the rules it can run were run, and found nothing
     assert "safe_trainers (dpo" in output  # the report
-    assert "the model's own code was not run" in output and "--trust-remote-code" in output
+    assert "the model's own code was not run" in output and "--run-model-code" in output
     assert "`env:` in the `--config` file was not applied" in output  # what it would set, said
     assert f"`{ENV_VAR}='set-by-the-config'`" in output and "`HF_TOKEN=<hidden>`" in output and SECRET not in output
 
@@ -88,13 +88,43 @@ def test_check_in_a_fresh_process_runs_no_model_code(toy_models, tmp_path):
 
 def test_the_opt_in_runs_the_models_code(toy_models, tmp_path):
     model, marker = remote_code_model(toy_models, tmp_path, "lint_probe")
-    args = ["--trainer", "dpo", "--config", lint_config(tmp_path), "--model", model, "--trust-remote-code"]
+    args = ["--trainer", "dpo", "--config", lint_config(tmp_path), "--model", model, "--run-model-code"]
     done = check_process(args, tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert marker.read_text() == "imported"
     assert "the model's own code was not run" not in output
     assert SECRET not in output  # `env:` is never applied nor shown, opt-in or not
+
+
+@pytest.mark.parametrize("spelling", ["--trust_remote_code", "--trust-remote-code"])
+def test_trls_trust_remote_code_override_is_the_setting_not_the_opt_in(toy_models, tmp_path, spelling):
+    # The launch scripts take TRL's `--trust_remote_code` (either spelling, with or without a value) as the setting; so
+    # does the check: it neither runs the model's code for it nor refuses its value.
+    # was: taken as the check's own opt-in, so `--trust_remote_code` ran the model's code and `... true` exited 2
+    model, marker = remote_code_model(toy_models, tmp_path, "lint_probe")
+    for override in ([spelling], [spelling, "true"]):
+        done = check_process(["--trainer", "dpo", "--config", lint_config(tmp_path), "--model", model, *override],
+                             tmp_path)  # fmt: skip
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output
+        assert not marker.exists(), output
+        assert "the model's own code was not run" in output, output
+
+
+def test_trust_remote_code_in_model_init_kwargs_is_read_as_data_too(toy_models, tmp_path):
+    # TRL's trainers load the model with `model_init_kwargs`' own `trust_remote_code` (it wins over the setting), so
+    # the check reads that model as one of `trust_remote_code: true`: as data, and says so.
+    # was: "could not read `config.json`", and the model-specific rules were not checked
+    model, marker = remote_code_model(toy_models, tmp_path, "lint_probe")
+    config = tmp_path / "init-kwargs.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\n"
+                      "model_init_kwargs:\n  trust_remote_code: true\n")  # fmt: skip
+    done = check_process(["--trainer", "dpo", "--config", str(config), "--model", model], tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert not marker.exists(), output
+    assert "the model's own code was not run" in output and "could not read `config.json`" not in output, output
 
 
 def test_the_launch_scripts_still_apply_env_as_trl_does(tmp_path, monkeypatch):

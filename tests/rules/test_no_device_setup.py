@@ -89,3 +89,18 @@ def test_the_fixed_copy_of_args_sets_up_nothing_new(tmp_path, kind):
     state = run_probe(FIXED_COPY, [kind, str(tmp_path / "out")], launcher_env=False)
     assert state["copied"] and state["same_device"] and state["mixed_precision"] == "no", state
     assert not (state["process_group"] or state["cuda"]), state
+
+
+@pytest.mark.parametrize("missing", ["_setup_devices", "distributed_state", "_n_gpu"])
+def test_without_one_of_transformers_device_names_the_copy_sets_up_its_own(tmp_path, missing):
+    # A transformers that no longer records one of the names the copy shares (docs/design/upstream.md): the copy sets
+    # its devices up as transformers does (the old behaviour) instead of sharing half of them.
+    # was: with `distributed_state` missing, the copy kept the cached device and `copy.world_size` raised
+    from safe_trainers.configs import config_class
+    from safe_trainers.rules.apply import replace_args
+    from safe_trainers.rules.report import Change
+
+    args = config_class("dpo")(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none")
+    del vars(args)[missing]
+    copy, _ = replace_args(args, [Change("args.logging_nan_inf_filter", True, False)], None)
+    assert (str(copy.device), copy.world_size, copy.process_index, copy.n_gpu) == ("cpu", 1, 0, 0)

@@ -114,3 +114,27 @@ def test_check_does_not_repeat_a_correctly_named_token(toy_models, tmp_path, cap
     assert cli(["check", "--trainer", "dpo", "--config", config]) == 0
     out = capsys.readouterr()
     assert_masked(out.out + out.err, "`HF_TOKEN=<hidden>`")
+
+
+def test_a_token_in_an_error_of_trls_parser_is_not_repeated(toy_models, tmp_path, capsys):
+    # A token given to the wrong flag: argparse's own error quotes the value.
+    # was: "invalid int value: 'hf_...'" printed word for word by `check`
+    config = tmp_path / "c.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\n")
+    code = cli(["check", "--trainer", "dpo", "--config", str(config), "--model", toy_models["qwen2"],
+                "--max_steps", SECRET])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 2 and "--max_steps" in out.err and "<hidden>" in out.err, out.err
+    assert SECRET not in out.out + out.err
+
+
+def test_a_password_in_a_url_is_hidden_and_the_rest_shown(toy_models, tmp_path, capsys):
+    # was: the note quoted `https://reader:pw-Probe123@...` whole
+    config = tmp_path / "c.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\n"
+                      "dataset_name: https://reader:pw-Probe123@data.example/d.json\n")  # fmt: skip
+    cli(["check", "--trainer", "dpo", "--config", str(config), "--model", toy_models["qwen2"]])
+    out = capsys.readouterr()
+    assert "pw-Probe123" not in out.out + out.err
+    assert "https://reader:<hidden>@data.example/d.json" in out.out + out.err, out.out + out.err
+    assert mask_secret("dataset_name", "https://data.example/d.json") == "https://data.example/d.json"

@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import transformers
 
 from safe_trainers.guard import localize
 from safe_trainers.upstream import TOUCHPOINTS, Touchpoint
@@ -79,6 +80,9 @@ def test_every_touchpoint_cites_tests_that_exist_and_the_modules_that_touch_it(r
 
 # Private names a module may use without a row: the standard library's.
 STANDARD = {"_replace", "_asdict", "_fields", "_exit"}  # namedtuples, `os._exit`
+# Upstream classes a package class replaces a private name of without calling `super()` (`LintDevices._setup_devices`
+# for the config's cached device): a name the package declares that one of them has is an override.
+REPLACED_IN = (transformers.TrainingArguments, transformers.TrainerCallback)
 
 
 def private_names(text: str) -> tuple[set[str], set[str], set[str]]:
@@ -102,6 +106,7 @@ def test_every_private_upstream_name_the_package_touches_has_a_row():
         used |= module_used
         declared |= module_declared
         overridden |= module_overridden
+    overridden |= {n for n in declared if not n.startswith("__") and any(hasattr(cls, n) for cls in REPLACED_IN)}
     touched = (used - declared - STANDARD) | overridden
     rows = {row.name for row in TOUCHPOINTS}
     assert sorted(touched - rows) == []
