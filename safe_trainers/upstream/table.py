@@ -227,8 +227,6 @@ OTHERS: tuple[T, ...] = (
           (PLANTED_TEST,))
         for owner, name, purpose in (
             ("torch.serialization", "_get_layout", "tensor layouts"),
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "where each item is stored"),
-            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "tensor memory formats"),
         )
     ),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",
