@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 from test_crash_restarts import REPO, WORKER
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from safe_trainers.configs import config_class
 from safe_trainers.guard import read_events
@@ -44,6 +44,10 @@ def test_a_hang_exits_only_where_something_restarts_the_process_or_when_asked():
     assert hang_exits("auto", AGENT)  # torchrun with restarts to give: exit 124, the agent restarts
     assert not hang_exits("auto", {})  # a plain python run, a notebook
     assert not hang_exits("auto", {**AGENT, "TORCHELASTIC_MAX_RESTARTS": "0"})  # the agent restarts nothing
+    # The last attempt the agent gives (`--max-restarts 2`, restarted twice already): the agent restarts nothing
+    # more, so an exit would end the job where the step might still finish.
+    assert hang_exits("auto", {**AGENT, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert not hang_exits("auto", {**AGENT, "TORCHELASTIC_RESTART_COUNT": "2"})
     assert hang_exits("exit", {}) and not hang_exits("report", AGENT)
     with pytest.raises(ValueError, match=r"`hang_action` must be one of \['auto', 'exit', 'report'\], got 'kill'"):
         config_class("sft")(output_dir="unused", hang_action="kill")
@@ -105,6 +109,46 @@ def test_a_step_that_compiles_past_the_bound_finishes(toy_models, tmp_path, no_a
     from torch._dynamo.callback import callback_handler
 
     assert trainer.compile_watch._began not in callback_handler.start_callbacks  # removed when `train()` ended
+
+
+class ResetsDynamo(TrainerCallback):
+    """Calls `torch._dynamo.reset()` at the end of step `at` (a user freeing compiled graphs, e.g. after an
+    evaluation): it clears every compile callback, and every graph compiles again."""
+
+    def __init__(self, at: int, marks: dict):
+        self.at, self.marks = at, marks
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            torch._dynamo.reset()
+            self.marks["reset"] = True
+
+
+def test_a_compile_after_torch_dynamo_reset_is_not_timed(toy_models, tmp_path, no_agent):
+    # `torch._dynamo.reset()` in the middle of `train()` removed the compile watch's callbacks; the recompile that
+    # follows (6 s, past the 3 s bound) was timed as a hang (stacks written, a `hang` event, exit 124 under the
+    # agent). The watch is registered again at the next step.
+    marks: dict = {}
+
+    def slow_backend(graph_module, example_inputs):
+        if marks.pop("reset", False):  # the first compile after the reset
+            marks["slow"] = True
+            time.sleep(6)
+        return graph_module.forward
+
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
+    model.compile(backend=slow_backend, dynamic=False)
+    trainer = build_trainer(
+        "sft", model, tmp_path / "out", preset="guarded", max_steps=4, save_strategy="no", bf16=False,
+        hang_timeout=3,
+    )  # fmt: skip
+    trainer.add_callback(ResetsDynamo(2, marks))
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        trainer.train()
+    out = trainer.args.output_dir
+    assert marks.get("slow") and trainer.state.global_step == 4
+    assert [e for e in read_events(out) if e["kind"] == "hang"] == []
+    assert not os.path.exists(stacks_path(out, 0))
 
 
 class SlowStepSFTTrainer(trainer_class("sft")):
