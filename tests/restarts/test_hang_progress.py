@@ -18,11 +18,12 @@ import time
 
 import pytest
 import torch
-from test_crash_restarts import REPO, WORKER
+from test_crash_restarts import REPO, WORKER, launch_restarting
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from safe_trainers.configs import config_class
 from safe_trainers.guard import read_events
+from safe_trainers.restarts.compile_peers import RECHECK, PeerCompiles
 from safe_trainers.restarts.hang_report import HUNG_EXIT_CODE, hang_exits, stacks_path
 from safe_trainers.restarts.step_record import PROGRESS_FILE, History, ProgressWriter, inherit, read_progress
 from safe_trainers.testing.build import build_trainer
@@ -69,6 +70,18 @@ def test_a_step_that_died_while_compiling_twice_is_not_poisoned(tmp_path):
             assert history.attempt == attempt + 1
         assert tuple(p.step for p in history.poisoned) == poisoned, phase
         assert [d.step for d in history.deaths] == ([None, None] if phase == "compile" else [6, 6])
+
+
+def test_a_rank_past_its_bound_waits_while_another_rank_compiles_and_as_long_again():
+    store = torch.distributed.HashStore()
+    compiling, waiting = PeerCompiles(store, 0, 2), PeerCompiles(store, 1, 2)
+    assert waiting.excused(5, over=1.0) == 0.0  # nobody compiles: a hang
+    compiling.began()
+    assert waiting.excused(5, over=2.0) == 2.0 + RECHECK  # asked again later
+    assert waiting.excused(5, over=3.0) == 2.0 + RECHECK
+    compiling.ended(5, 30.0)
+    assert waiting.excused(5, over=8.0) == 30.0  # as long again as the other rank compiled in the step
+    assert waiting.excused(6, over=1.0) == 0.0 and compiling.excused(5, over=1.0) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- real runs
@@ -149,6 +162,21 @@ def test_a_compile_after_torch_dynamo_reset_is_not_timed(toy_models, tmp_path, n
     assert marks.get("slow") and trainer.state.global_step == 4
     assert [e for e in read_events(out) if e["kind"] == "hang"] == []
     assert not os.path.exists(stacks_path(out, 0))
+
+
+@pytest.mark.distributed
+def test_a_rank_that_waits_for_another_ranks_compile_is_not_hung(tmp_path):
+    # Rank 0's first compile takes 20 s (a long inductor build, or a recompile on a sequence length only it was
+    # given); rank 1 compiled at once and waits for rank 0 in the step's all-reduce. Rank 0's clock stopped while it
+    # compiled, rank 1's ran: past the 10 s bound it wrote its stacks and exited with status 124, and the agent
+    # restarted both. Now a rank's watchdog knows that another rank compiles, and for how long it did.
+    results, streams = launch_restarting(
+        tmp_path, 2, 1, "--slow_compile", "20:0:0", "--hang_timeout", "10", "--max_steps", "3", "--save_steps", "3"
+    )
+    run = tmp_path / "out" / "run"
+    assert not (run / "hang-stacks-rank1.txt").exists(), (run / "hang-stacks-rank1.txt").read_text()[-3000:]
+    assert [e for e in read_events(str(run)) if e["kind"] == "hang"] == []
+    assert [(r["attempt"], r["global_step"]) for r in results] == [(0, 3), (0, 3)]
 
 
 class SlowStepSFTTrainer(trainer_class("sft")):
