@@ -184,7 +184,7 @@ class SafetyArguments:
         metadata={
             "help": "What a hang does after its stacks are written: `\"exit\"` ends the process with status 124 (for "
             "a restart), `\"report\"` logs it and goes on, `\"auto\"` exits only under torchrun's elastic agent "
-            "with restarts to give (`--max-restarts` > 0).",
+            "with restarts left to give (`--max-restarts` above the restarts so far).",
             "choices": list(HANG_ACTIONS),
         },
     )

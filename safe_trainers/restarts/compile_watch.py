@@ -43,14 +43,19 @@ class CompileWatch(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs: Any):
         self.register()
 
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        self.register()  # again if `torch._dynamo.reset()` cleared every callback (every graph then compiles again)
+
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.unregister()
 
     def register(self) -> None:
-        if not self._registered:
+        """Register the callbacks, unless they are registered (`torch._dynamo.reset()` removes them)."""
+        if self._began not in callback_handler.start_callbacks:
             callback_handler.register_start_callback(self._began)
+        if self._ended not in callback_handler.end_callbacks:
             callback_handler.register_end_callback(self._ended)
-            self._registered = True
+        self._registered = True
 
     def unregister(self) -> None:
         """Remove the callbacks (`train()` is over, by a return or an exception); a compilation still marked as

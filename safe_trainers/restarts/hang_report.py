@@ -3,12 +3,12 @@
 A step past the hang bound (see `watchdog.py`) makes its rank append the Python stacks of all its threads to
 `output_dir/hang-stacks-rank<r>.txt`. Then [`hang_exits`] decides, from `hang_action` and the launch:
 
-* under torchrun's elastic agent with restarts left to give (`--max-restarts` above 0), `"auto"` ends the process
-  with `os._exit(HUNG_EXIT_CODE)` (a hung thread cannot be unwound): the agent restarts the workers from the newest
-  healthy checkpoint;
-* with no agent (a plain `python` run, a notebook, a job whose scheduler is not told to restart it) or
-  `--max-restarts 0`, `"auto"` reports the hang (an error in the log, a `hang` event) and lets the process go on:
-  ending it would kill the user's kernel and restart nothing. A step that was merely slow then finishes;
+* under torchrun's elastic agent with restarts left to give (`--max-restarts` above the restarts so far), `"auto"`
+  ends the process with `os._exit(HUNG_EXIT_CODE)` (a hung thread cannot be unwound): the agent restarts the workers
+  from the newest healthy checkpoint;
+* with no agent (a plain `python` run, a notebook, a job whose scheduler is not told to restart it), `--max-restarts 0`
+  or the agent's last attempt, `"auto"` reports the hang (an error in the log, a `hang` event) and lets the process
+  go on: ending it would kill the user's kernel and restart nothing. A step that was merely slow then finishes;
 * `"exit"` always exits (a scheduler that restarts on status 124, as a Kubernetes `podFailurePolicy` can);
   `"report"` never does.
 """

@@ -123,8 +123,9 @@ class TrainCalls:
 
 
 def will_restart(env: Mapping[str, str]) -> bool:
-    """Whether an elastic agent started this process and may restart it: torchrun's agent names itself in the
-    worker's environment (`TORCHELASTIC_RESTART_COUNT`) and says how many restarts it gives
-    (`TORCHELASTIC_MAX_RESTARTS`, `--max-restarts`; 0 restarts nothing). A plain `python` run or a notebook has
-    neither."""
-    return RESTART_COUNT in env and env.get(MAX_RESTARTS, "1") != "0"
+    """Whether an elastic agent started this process and will restart it: torchrun's agent names itself in the
+    worker's environment (`TORCHELASTIC_RESTART_COUNT`, the restarts given so far) and says how many restarts it
+    gives in all (`TORCHELASTIC_MAX_RESTARTS`, `--max-restarts`; 0 restarts nothing); its last attempt is not
+    restarted either. A plain `python` run or a notebook has neither."""
+    most = env.get(MAX_RESTARTS, "")
+    return RESTART_COUNT in env and (not most.isdigit() or restart_count(env) < int(most))

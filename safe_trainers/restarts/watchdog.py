@@ -23,7 +23,7 @@ forward, the lazily compiled backward, autotuning, cudagraph recording) the step
 guard's known long phases ([`HangWatchdog.paused`]); checkpoint loading happens before training begins or in a
 rollback, neither timed. A step that compiled is given, once its compilation ended, as long again on top of the bound:
 the other ranks compile the same graphs, and a rank that finished first waits for the slowest in the step's
-collective.
+collective; a rank past its bound waits as long for the other ranks' compilations (see `compile_peers.py`).
 
 A step past the bound makes the rank write the Python stacks of all its threads to
 `output_dir/hang-stacks-rank<r>.txt` (appended, one block per hang), log an error and record a `hang` event; then,
@@ -46,6 +46,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from .compile_peers import NO_PEERS, peer_compiles
 from .hang_report import HUNG_EXIT_CODE, exit_hung, hang_message, hang_plan_line, stacks_path, write_stacks
 
 logger = logging.getLogger("safe_trainers")
@@ -133,6 +134,7 @@ class HangWatchdog(TrainerCallback):
         self._held_at = 0.0
         self._compile_at: float | None = None
         self._grace = 0.0  # seconds added to the bound in this step: its compilations' time
+        self.peers = NO_PEERS  # the other ranks' compilations (several ranks)
         self._reported = False  # this step's hang was reported (the process went on)
         self._first = True
         self._stop = threading.Event()
@@ -140,6 +142,7 @@ class HangWatchdog(TrainerCallback):
 
     # ------------------------------------------------------------------ heartbeats (the training loop)
     def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.peers = peer_compiles(self.rank)
         self.start()
         if state.is_world_process_zero:  # shown by default, as the resume lines are: what a hang will do here
             logger.warning(hang_plan_line(self.exits, self.action, self.ceiling, self.factor))
@@ -202,14 +205,16 @@ class HangWatchdog(TrainerCallback):
         """torch began compiling (see `compile_watch.py`): not timed."""
         self._compile_at = self.clock()
         self.hold()
+        self.peers.began()
 
     def compile_ended(self) -> None:
         """The compilation ended: the clock goes on, and the step may take as long again as the compilation took
         (the other ranks compile the same graphs and may still be at it)."""
         began, self._compile_at = self._compile_at, None
-        if began is not None:
-            self._grace += self.clock() - began
+        took = self.clock() - began if began is not None else 0.0
+        self._grace += took
         self.release()
+        self.peers.ended(self._step, took)
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -251,6 +256,8 @@ class HangWatchdog(TrainerCallback):
             if began is None or self._reported:
                 continue
             elapsed, bound = self.clock() - began, self.bound() + self._grace
+            if elapsed > bound:  # another rank may be compiling, or have compiled in this step
+                bound += self.peers.excused(self._step, elapsed - bound)
             if elapsed > bound:
                 self._hung(elapsed, bound)
 
@@ -282,11 +289,7 @@ class HangWatchdog(TrainerCallback):
 class _Unwatched:
     """No watchdog (`hang_timeout=0`, or before one is attached): nothing is timed."""
 
-    @staticmethod
-    def paused() -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    armed = paused
+    paused = armed = staticmethod(contextlib.nullcontext)
 
 
 UNWATCHED = _Unwatched()

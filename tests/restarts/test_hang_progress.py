@@ -18,11 +18,12 @@ import time
 
 import pytest
 import torch
-from test_crash_restarts import REPO, WORKER
-from transformers import AutoModelForCausalLM
+from test_crash_restarts import REPO, WORKER, launch_restarting
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from safe_trainers.configs import config_class
 from safe_trainers.guard import read_events
+from safe_trainers.restarts.compile_peers import RECHECK, PeerCompiles
 from safe_trainers.restarts.hang_report import HUNG_EXIT_CODE, hang_exits, stacks_path
 from safe_trainers.restarts.step_record import PROGRESS_FILE, History, ProgressWriter, inherit, read_progress
 from safe_trainers.testing.build import build_trainer
@@ -44,6 +45,10 @@ def test_a_hang_exits_only_where_something_restarts_the_process_or_when_asked():
     assert hang_exits("auto", AGENT)  # torchrun with restarts to give: exit 124, the agent restarts
     assert not hang_exits("auto", {})  # a plain python run, a notebook
     assert not hang_exits("auto", {**AGENT, "TORCHELASTIC_MAX_RESTARTS": "0"})  # the agent restarts nothing
+    # The last attempt the agent gives (`--max-restarts 2`, restarted twice already): the agent restarts nothing
+    # more, so an exit would end the job where the step might still finish.
+    assert hang_exits("auto", {**AGENT, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert not hang_exits("auto", {**AGENT, "TORCHELASTIC_RESTART_COUNT": "2"})
     assert hang_exits("exit", {}) and not hang_exits("report", AGENT)
     with pytest.raises(ValueError, match=r"`hang_action` must be one of \['auto', 'exit', 'report'\], got 'kill'"):
         config_class("sft")(output_dir="unused", hang_action="kill")
@@ -65,6 +70,18 @@ def test_a_step_that_died_while_compiling_twice_is_not_poisoned(tmp_path):
             assert history.attempt == attempt + 1
         assert tuple(p.step for p in history.poisoned) == poisoned, phase
         assert [d.step for d in history.deaths] == ([None, None] if phase == "compile" else [6, 6])
+
+
+def test_a_rank_past_its_bound_waits_while_another_rank_compiles_and_as_long_again():
+    store = torch.distributed.HashStore()
+    compiling, waiting = PeerCompiles(store, 0, 2), PeerCompiles(store, 1, 2)
+    assert waiting.excused(5, over=1.0) == 0.0  # nobody compiles: a hang
+    compiling.began()
+    assert waiting.excused(5, over=2.0) == 2.0 + RECHECK  # asked again later
+    assert waiting.excused(5, over=3.0) == 2.0 + RECHECK
+    compiling.ended(5, 30.0)
+    assert waiting.excused(5, over=8.0) == 30.0  # as long again as the other rank compiled in the step
+    assert waiting.excused(6, over=1.0) == 0.0 and compiling.excused(5, over=1.0) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- real runs
@@ -105,6 +122,61 @@ def test_a_step_that_compiles_past_the_bound_finishes(toy_models, tmp_path, no_a
     from torch._dynamo.callback import callback_handler
 
     assert trainer.compile_watch._began not in callback_handler.start_callbacks  # removed when `train()` ended
+
+
+class ResetsDynamo(TrainerCallback):
+    """Calls `torch._dynamo.reset()` at the end of step `at` (a user freeing compiled graphs, e.g. after an
+    evaluation): it clears every compile callback, and every graph compiles again."""
+
+    def __init__(self, at: int, marks: dict):
+        self.at, self.marks = at, marks
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            torch._dynamo.reset()
+            self.marks["reset"] = True
+
+
+def test_a_compile_after_torch_dynamo_reset_is_not_timed(toy_models, tmp_path, no_agent):
+    # `torch._dynamo.reset()` in the middle of `train()` removed the compile watch's callbacks; the recompile that
+    # follows (6 s, past the 3 s bound) was timed as a hang (stacks written, a `hang` event, exit 124 under the
+    # agent). The watch is registered again at the next step.
+    marks: dict = {}
+
+    def slow_backend(graph_module, example_inputs):
+        if marks.pop("reset", False):  # the first compile after the reset
+            marks["slow"] = True
+            time.sleep(6)
+        return graph_module.forward
+
+    model = AutoModelForCausalLM.from_pretrained(toy_models["qwen2"])
+    model.compile(backend=slow_backend, dynamic=False)
+    trainer = build_trainer(
+        "sft", model, tmp_path / "out", preset="guarded", max_steps=4, save_strategy="no", bf16=False,
+        hang_timeout=3,
+    )  # fmt: skip
+    trainer.add_callback(ResetsDynamo(2, marks))
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        trainer.train()
+    out = trainer.args.output_dir
+    assert marks.get("slow") and trainer.state.global_step == 4
+    assert [e for e in read_events(out) if e["kind"] == "hang"] == []
+    assert not os.path.exists(stacks_path(out, 0))
+
+
+@pytest.mark.distributed
+def test_a_rank_that_waits_for_another_ranks_compile_is_not_hung(tmp_path):
+    # Rank 0's first compile takes 20 s (a long inductor build, or a recompile on a sequence length only it was
+    # given); rank 1 compiled at once and waits for rank 0 in the step's all-reduce. Rank 0's clock stopped while it
+    # compiled, rank 1's ran: past the 10 s bound it wrote its stacks and exited with status 124, and the agent
+    # restarted both. Now a rank's watchdog knows that another rank compiles, and for how long it did.
+    results, streams = launch_restarting(
+        tmp_path, 2, 1, "--slow_compile", "20:0:0", "--hang_timeout", "10", "--max_steps", "3", "--save_steps", "3"
+    )
+    run = tmp_path / "out" / "run"
+    assert not (run / "hang-stacks-rank1.txt").exists(), (run / "hang-stacks-rank1.txt").read_text()[-3000:]
+    assert [e for e in read_events(str(run)) if e["kind"] == "hang"] == []
+    assert [(r["attempt"], r["global_step"]) for r in results] == [(0, 3), (0, 3)]
 
 
 class SlowStepSFTTrainer(trainer_class("sft")):

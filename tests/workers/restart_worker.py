@@ -77,6 +77,9 @@ def parse(argv=None):
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--spike", default="", help="FACTOR:WARMUP (spike detection on)")
     parser.add_argument("--push", action="store_true", help="push_to_hub at every save (the Hub at HF_ENDPOINT)")
+    parser.add_argument(
+        "--slow_compile", default="", help="SECONDS:ATTEMPTS[:RANK] (the model is compiled; its first compile sleeps)"
+    )
     return parser.parse_args(argv)
 
 
@@ -177,6 +180,25 @@ def expected_stream(trainer, micro_batches: int) -> list[str]:
     return hashes
 
 
+def compiled_model(path: str, spec: str, rank: int):
+    """The model at `path`, compiled (`torch.compile`) with a backend whose first compile sleeps where `spec` says
+    (`SECONDS:ATTEMPTS[:RANK]`, as `--kill`): a long inductor build on one rank."""
+    from transformers import AutoModelForCausalLM
+
+    sleep = kills_at(spec, rank)
+    compiles = []
+
+    def backend(graph_module, example_inputs):
+        if sleep and not compiles:
+            time.sleep(sleep)
+        compiles.append(len(example_inputs))
+        return graph_module.forward
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.compile(backend=backend)
+    return model
+
+
 def checksum(model) -> float:
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
@@ -195,7 +217,7 @@ def main(argv=None) -> int:
     if ns.spike:
         factor, warmup = ns.spike.split(":")
         spikes = {"nan_spike_factor": float(factor), "nan_spike_warmup": int(warmup)}
-    model = ns.model
+    model = compiled_model(ns.model, ns.slow_compile, rank) if ns.slow_compile else ns.model
     for stage in range(1, ns.stages + 1):
         KillingDPOTrainer.stage = stage
         KillingDPOTrainer.kill_steps = kill_steps if stage == ns.kill_stage else set()
