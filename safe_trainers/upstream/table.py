@@ -229,6 +229,10 @@ OTHERS: tuple[T, ...] = (
             ("torch.serialization", "_get_layout", "tensor layouts"),
         )
     ),
+    T("torch.distributed.distributed_c10d", "_get_default_store", "function", "calls", "<=2.13 (not bisected)",
+      "restarts/compile_peers.py",
+      "the process group's key-value store, where each rank says that it compiles (a rank waiting for it is not hung)",
+      ("tests/restarts/test_hang_progress.py::test_a_rank_that_waits_for_another_ranks_compile_is_not_hung",)),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",
       "trains and saves a LoRA reward model's head (`peft.reward_seq_cls_lora`)",
       ("tests/rules/test_peft_rules.py::test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head",)),
