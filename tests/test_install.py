@@ -116,3 +116,14 @@ def test_ci_runs_both_lanes_and_the_readme_command_last():
     lane = (ROOT / ".ci" / "lane").read_text()
     assert '-c "constraints/$lane.txt"' in lane and all(path.exists() for path in LANES.values())
     assert run.rindex("python -m pytest") > run.rindex(".ci/lane")  # pytest's closing lines are the whole suite's
+
+
+def test_the_lanes_import_in_the_environment_pip_install_resolves_and_beside_each_floor():
+    # The floor lane passed with trl 1.14.0, which imports `requests` without declaring it, only because datasets 4.7.0
+    # brings `requests`: every lane first imports with nothing but the declared set (no extras), and the newest lane
+    # then imports with each declared floor beside the newest releases of the rest.
+    lane = (ROOT / ".ci" / "lane").read_text()
+    core_install = 'pip install -q -c "constraints/$lane.txt" -e .\nimport_every_public_name'
+    assert core_install in lane and lane.index(core_install) < lane.index('-e ".[deepspeed,test]"\npython -m pytest')
+    assert 'for pin in $(declared_floors torch); do' in lane and 'pip install -q "$pin" -e .' in lane
+    assert "requests" in {canonicalize_name(r.name) for r in declared_requirements(groups=())}
