@@ -62,6 +62,8 @@ def incomplete_file(path: str) -> str | None:
     """Why the file at `path` was not written to the end (after "`<name>` "), or `None` if it was, or is not a JSON,
     safetensors or torch file."""
     name = os.path.basename(path)
+    if not name.endswith((".json", ".safetensors", *TORCH_SUFFIXES)):
+        return None
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO blocks until another process writes to it
             return "is not a regular file (a FIFO, device or socket: reading it can block or never end)"
