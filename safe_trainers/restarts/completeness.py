@@ -34,6 +34,7 @@ from transformers import TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
 from ..guard.state import GUARD_STATE_FILE, guard_state_problem
+from .pickled_state import DEEPSPEED_LATEST, LATEST_LIMIT
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # Directories in which a backend keeps its own sharded state (DeepSpeed's `global_step<N>`, FSDP's model shards).
@@ -91,6 +92,25 @@ def incomplete_checkpoint(path: str) -> str | None:
         problem = incomplete_file(file)
         if problem is not None:
             return f"`{os.path.relpath(file, path)}` {problem}"
+    return deepspeed_tag_problem(path, names)
+
+
+def deepspeed_tag_problem(path: str, names: list[str]) -> str | None:
+    """DeepSpeed resumes from the state directory its `latest` file names: with `global_step*` state and no usable
+    `latest` (missing, not a file, naming no directory of the checkpoint or an empty one), transformers' resume raises,
+    so the checkpoint is passed over, as "`latest` <why>"."""
+    if not any(n.startswith("global_step") and os.path.isdir(os.path.join(path, n)) for n in names):
+        return None
+    latest = os.path.join(path, DEEPSPEED_LATEST[0])  # `latest_universal` only for a universal checkpoint
+    if not os.path.isfile(latest):
+        return f"`{DEEPSPEED_LATEST[0]}` is missing or not a file: nothing names the DeepSpeed state (`global_step*`)"
+    with open(latest, "rb") as f:
+        tag = f.read(LATEST_LIMIT).decode("utf-8", "replace").strip()
+    state = os.path.join(path, tag)
+    if tag in ("", ".", "..") or os.path.basename(tag) != tag or not os.path.isdir(state):
+        return f"`{DEEPSPEED_LATEST[0]}` names `{tag[:80]}`, no DeepSpeed state directory of the checkpoint"
+    if not any(n.endswith(TORCH_SUFFIXES) for n in os.listdir(state)):
+        return f"`{DEEPSPEED_LATEST[0]}` names `{tag}`, which holds no state file"
     return None
 
 

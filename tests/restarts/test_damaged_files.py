@@ -180,3 +180,33 @@ def test_a_spike_window_of_numbers_no_float_holds_passes_the_checkpoint_over(run
     assert [step for step, _ in resumed.seen] == [3, 4, 5, 6]  # from checkpoint-2
     event = [e for e in read_events(out) if e["kind"] == "resume"][-1]
     assert event["passed_over"][0]["reason"].startswith(reason)
+
+
+@pytest.mark.parametrize(
+    "latest,files,reason",
+    [
+        (None, True, "incomplete: `latest` is missing or not a file"),
+        (b"global_step9\n", True, "incomplete: `latest` names `global_step9`, no DeepSpeed state directory"),
+        (b"global_step4\n", False, "incomplete: `latest` names `global_step4`, which holds no state file"),
+        (b"global_step4\n", True, None),
+    ],
+    ids=["no_latest", "latest_names_no_directory", "empty_state_directory", "healthy"],
+)
+def test_deepspeed_state_that_latest_does_not_name_passes_the_checkpoint_over(run, latest, files, reason):
+    # DeepSpeed resumes from the tag its `latest` file names; without a usable one transformers' resume raised
+    # "[deepspeed] failed to resume from checkpoint" (the choice took the checkpoint).
+    out, _ = run
+    state = os.path.join(out, "checkpoint-4", "global_step4")
+    os.makedirs(state)
+    if files:
+        torch.save({"module": {"w": torch.zeros(2)}}, os.path.join(state, "mp_rank_00_model_states.pt"))
+    if latest is not None:
+        with open(os.path.join(out, "checkpoint-4", "latest"), "wb") as f:
+            f.write(latest)
+    choice = choose_checkpoint(out)
+    if reason is None:
+        assert choice.path == os.path.join(out, "checkpoint-4") and not choice.passed_over
+        return
+    assert choice.path == os.path.join(out, "checkpoint-2")
+    (passed,) = choice.passed_over
+    assert passed.reason.startswith(reason), passed.reason
