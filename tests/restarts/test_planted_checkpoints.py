@@ -56,15 +56,6 @@ def plant_dcp(checkpoint: str, marker: str) -> str:
 PLANTS = {"deepspeed": plant_deepspeed, "dcp": plant_dcp}
 
 
-@pytest.fixture(scope="module")
-def finished_run(toy_models, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("planted") / "out")
-    trainer = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", max_steps=4, save_steps=2,
-                            trainer_cls=recording(trainer_class("dpo")))  # fmt: skip
-    trainer.train()
-    return out, trainer.seen
-
-
 @pytest.mark.parametrize("backend", sorted(PLANTS))
 def test_a_planted_checkpoint_is_passed_over_and_runs_nothing(finished_run, toy_models, tmp_path, backend):
     reference, seen = finished_run
