@@ -21,9 +21,7 @@ for the message and for two cases that are not a second run (see [`decide`]):
   and rotation are the holder's: [`publishes_here`]), so one node never removes what another just published;
 * a lock still held in the name of an earlier attempt of the same launch: the agent stopped those workers before the
   restart, so the holder is gone (on NFS, a lost node's lock lasts until its lease runs out, about 90 s): the restart
-  goes on, with a warning.
-
-Limits (filesystems without locks, or with node-local ones): docs/guard.md, "One run per `output_dir`".
+  goes on, with a warning. Limits (filesystems without locks, or node-local ones): docs/guard.md.
 """
 
 from __future__ import annotations
@@ -83,11 +81,10 @@ class Holder:
         """The holder a lock file names, or `None` for anything else (empty, cut short, another format)."""
         try:
             raw = json.loads(text)
-            holder = cls(str(raw["host"]), int(raw["pid"]), tuple(str(a) for a in raw["launch"]),
-                         int(raw["restart"]), str(raw["token"]))  # fmt: skip
+            return cls(str(raw["host"]), int(raw["pid"]), tuple(str(a) for a in raw["launch"]),
+                       int(raw["restart"]), str(raw["token"]))  # fmt: skip
         except (ValueError, TypeError, KeyError):
             return None
-        return holder
 
 
 @dataclass(frozen=True)
