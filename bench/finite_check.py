@@ -1,6 +1,6 @@
 """Micro-benchmark: ways to check a model's state for NaN/Inf, on this machine's device (CUDA when present).
 
-The NaN guard's state check (`safe_trainers.guard.finite.all_finite`) must catch every NaN and Inf, raise no
+The NaN guard's state check (`safe_trainers.runtime.finite.all_finite`) must catch every NaN and Inf, raise no
 false alarm on large finite values, hold at most one bounded piece beyond its inputs, and need no host sync. Each
 candidate below runs over the same tensors (bf16 by default, a mix of a few large and many small tensors, like a
 model's parameters), each in a fresh process so that its peak memory is its own, and the table shows its speed, the
@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from safe_trainers.guard.finite import CHUNK_BYTES, flat_chunks  # noqa: E402
+from safe_trainers.runtime.finite import CHUNK_BYTES, flat_chunks  # noqa: E402
 
 
 def _pieces(tensors):

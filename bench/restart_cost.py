@@ -103,7 +103,7 @@ def measure_restart(ns, root: str, model_dir: str) -> None:
 def measure_bookkeeping(ns, directory: str) -> None:
     from workload import time_table
 
-    from safe_trainers.restarts.step_record import Death, History, ProgressWriter
+    from safe_trainers.restarts.progress import Death, History, ProgressWriter
 
     agent = "5d874e25-f50b-4ac4-b837-9d13bdd45170@node-0:/tmp/torchelastic_lbzy4e5p/5d874e25-f50b-4ac4-b837_nq1o0xd0"
     history = History(3, (Death(0, 1200), Death(1, 1234), Death(2, 1234)), launch=(agent,), restart=3,

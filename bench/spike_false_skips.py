@@ -32,8 +32,8 @@ from transformers import TrainerCallback
 from workload import markdown_table, quiet
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.spikes import SpikeSettings, SpikeWindow
-from safe_trainers.guard.step_flags import StepFlags
+from safe_trainers.guard.step.spikes import SpikeSettings, SpikeWindow
+from safe_trainers.guard.step.flags import StepFlags
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.kinds import get_kind

@@ -116,7 +116,7 @@ class GuardMemoryProbe(TrainerCallback):
 
 
 def _snapshot_tensors(snapshot) -> list[torch.Tensor]:
-    from safe_trainers.guard.nested import tensors as nested_tensors
+    from safe_trainers.runtime.nested import tensors as nested_tensors
 
     tensors = list(snapshot.params.values())
     tensors += [t for slot in snapshot.optimizer_state.values() for t in nested_tensors(slot)]

@@ -15,9 +15,9 @@ from .upstream.names import require_upstream_names
 # `ImportError` that names every missing name, the installed versions and the supported ranges.
 require_upstream_names()
 
-from .guard.generation import OnlineGenerationMixin  # noqa: E402
+from .trainer.generation import OnlineGenerationMixin  # noqa: E402
 from .kinds import get_kind  # noqa: E402
-from .mixin import SafeTrainerMixin  # noqa: E402
+from .trainer.mixin import SafeTrainerMixin  # noqa: E402
 
 
 class SFTTrainer(SafeTrainerMixin, trl.SFTTrainer):
@@ -26,7 +26,7 @@ class SFTTrainer(SafeTrainerMixin, trl.SFTTrainer):
     Example:
 
     ```python
-    from safe_trainers import SFTConfig, SFTTrainer
+    from . import SFTConfig, SFTTrainer
 
     trainer = SFTTrainer(model="path/to/model", args=SFTConfig(output_dir="out"), train_dataset=dataset)
     trainer.safety_report.by_rule("data.no_loss_tokens")  # examples left with no trained token, dropped
@@ -42,7 +42,7 @@ class RewardTrainer(SafeTrainerMixin, trl.RewardTrainer):
     Example:
 
     ```python
-    from safe_trainers import RewardConfig, RewardTrainer
+    from . import RewardConfig, RewardTrainer
 
     trainer = RewardTrainer(model="path/to/model", args=RewardConfig(output_dir="out"), train_dataset=dataset)
     print(trainer.safety_report.render())
@@ -58,7 +58,7 @@ class DPOTrainer(SafeTrainerMixin, trl.DPOTrainer):
     Example:
 
     ```python
-    from safe_trainers import DPOConfig, DPOTrainer
+    from . import DPOConfig, DPOTrainer
 
     trainer = DPOTrainer(model="path/to/model", args=DPOConfig(output_dir="out", fp16=True), train_dataset=dataset)
     trainer.safety_report.by_rule("precision.bf16_over_fp16")  # fp16=True -> bf16=True

@@ -7,8 +7,8 @@ from __future__ import annotations
 def upstream_method(trainer_cls: type, name: str):
     """The implementation of `name` that safe_trainers' override would call: the first one in the MRO of
     `trainer_cls` defined neither in safe_trainers nor in a subclass of its classes (TRL's, or transformers')."""
-    from safe_trainers.guard.generation import OnlineGenerationMixin
-    from safe_trainers.guard.trainer_hooks import NanGuardTrainerMixin
+    from safe_trainers.trainer.generation import OnlineGenerationMixin
+    from safe_trainers.trainer.hooks import NanGuardTrainerMixin
 
     for klass in trainer_cls.__mro__:
         ours = klass.__module__.startswith("safe_trainers") or issubclass(klass, NanGuardTrainerMixin)

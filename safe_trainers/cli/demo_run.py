@@ -16,8 +16,8 @@ import torch
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from ..guard import read_events
-from ..guard.checkpoint_dirs import checkpoints
-from ..guard.recovery import discarded_updates
+from ..runtime.checkpoint_dirs import checkpoints
+from ..guard.rollback.actions import discarded_updates
 from ..testing.faults import Fault
 
 

@@ -27,11 +27,13 @@ class Backend:
         optimizer: the torch optimizer (accelerate's wrapper unwrapped), or DeepSpeed's ZeRO optimizer.
         zero_stage (`int | None`): the ZeRO stage when DeepSpeed owns the optimizer, else `None`.
         loss_scaled (`bool`): an fp16 loss scaler is active (its overflows are not faults).
+        scaler: accelerate's `GradScaler` when one drives the optimizer step (fp16 without DeepSpeed), else `None`.
     """
 
     optimizer: Any
     zero_stage: int | None
     loss_scaled: bool
+    scaler: Any = None
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -54,27 +56,4 @@ def backend_problem(fsdp_version: int | None = None, zero_stage: int | None = No
     return None
 
 
-def training_backend(trainer: Any) -> Backend:
-    """The optimizer, ZeRO stage and loss scaling of a trainer whose training has started (DeepSpeed's engine exists
-    then); raises a `ValueError` for a backend the guard cannot protect."""
-    if trainer.is_deepspeed_enabled:
-        stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
-        problem = backend_problem(zero_stage=stage)
-        if problem is not None:
-            raise ValueError(problem)
-        engine = trainer.model_wrapped
-        return Backend(engine.optimizer, stage, bool(engine.fp16_enabled()))
-    optimizer = unwrap_optimizer(trainer.optimizer)
-    scaler = trainer.accelerator.scaler
-    return Backend(optimizer, None, scaler is not None and scaler.is_enabled())
-
-
-def refuse_unsupported_backend(trainer: Any) -> None:
-    """Raise a `ValueError` when [`backend_problem`] finds one for the built trainer."""
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
-    problem = backend_problem(fsdp_version=getattr(plugin, "fsdp_version", 2) if plugin is not None else None)
-    if problem is not None:
-        raise ValueError(problem)
-
-
-__all__ = ["Backend", "backend_problem", "refuse_unsupported_backend", "training_backend", "unwrap_optimizer"]
+__all__ = ["Backend", "backend_problem", "unwrap_optimizer"]

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 
 @dataclass(frozen=True)
-class StepRecord:
+class StepReading:
     """What one optimizer step looked like, read back from the device at an inspection point.
 
     Args:
@@ -57,24 +57,24 @@ class Verdict:
     """What to do after inspecting a window of steps.
 
     Args:
-        skipped (`list[StepRecord]`): the steps whose update the guard prevented (faults), in order.
+        skipped (`list[StepReading]`): the steps whose update the guard prevented (faults), in order.
         rollback (`Reason | None`): why the state must be restored, if it must.
         fault_step (`int | None`): the first step of the fault that triggered the rollback.
         consecutive (`int`): consecutive skipped steps at the end of the window (carried to the next window).
-        overflows (`list[StepRecord]`): steps the loss scaler skipped itself (not faults).
-        spikes (`list[StepRecord]`): the steps the spike detector found spiking (skipped, unless applied by DeepSpeed).
+        overflows (`list[StepReading]`): steps the loss scaler skipped itself (not faults).
+        spikes (`list[StepReading]`): the steps the spike detector found spiking (skipped, unless applied by DeepSpeed).
     """
 
-    skipped: list[StepRecord]
+    skipped: list[StepReading]
     rollback: Reason | None
     fault_step: int | None
     consecutive: int
-    overflows: list[StepRecord] = field(default_factory=list)
-    spikes: list[StepRecord] = field(default_factory=list)
+    overflows: list[StepReading] = field(default_factory=list)
+    spikes: list[StepReading] = field(default_factory=list)
 
 
 def judge_window(
-    records: list[StepRecord],
+    records: list[StepReading],
     consecutive: int,
     max_consecutive_skips: int,
     spikes_applied: bool = False,
@@ -138,7 +138,7 @@ def diagnosed_step(verdict: Verdict) -> int | None:
     return None
 
 
-def unexplained_overflows(records: list[StepRecord], loss_scale: float | None) -> list[StepRecord]:
+def unexplained_overflows(records: list[StepReading], loss_scale: float | None) -> list[StepReading]:
     """Overflow records the loss scaler cannot explain become faults: once its scale has backed off to 1 or less it no
     longer scales anything, so a non-finite gradient is the gradient's own, however often the scaler skips it."""
     if loss_scale is None or loss_scale > 1.0:
@@ -155,3 +155,24 @@ def syncs_reference_model(args: Any, step: int) -> bool:
     """TRL mixes the policy into the reference model at this step (`sync_ref_model`): it must be verified first."""
     every = max(getattr(args, "ref_model_sync_steps", 1), 1)
     return bool(getattr(args, "sync_ref_model", False)) and step % every == 0
+
+
+def inspection_due(control: Any, step: int, config: Any, snapshot_steps: int, pending: int) -> tuple[bool, bool] | None:
+    """Whether the guard inspects where the Trainer is about to log, evaluate or save (every step, before it does):
+    `(verify, snapshot)`, or `None` when nothing is due. The state is verified (and a snapshot taken) before every
+    save, evaluation, reference-model sync and the end of training, so none of them sees non-finite weights, and every
+    `snapshot_steps`; a log, or `pending` steps piling up to `snapshot_steps`, only reads the flags.
+
+    Args:
+        control: the Trainer's `TrainerControl` for this step (as the flow callback left it).
+        step (`int`): `global_step`.
+        config: the trainer's config (TRL's reference-model sync settings).
+        snapshot_steps (`int`): `nan_snapshot_steps`.
+        pending (`int`): the steps whose flags were not read yet.
+    """
+    snapshot_due = step % snapshot_steps == 0
+    publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
+    publishing = publishing or syncs_reference_model(config, step)
+    if control.should_log or publishing or snapshot_due or pending >= snapshot_steps:
+        return publishing or snapshot_due, publishing or snapshot_due
+    return None

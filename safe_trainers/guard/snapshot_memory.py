@@ -1,6 +1,6 @@
 """Host memory the NaN guard's snapshot needs, per rank and per node, estimated from the shape of a run.
 
-A snapshot ([`Snapshotter`]) holds, in host memory (pinned on GPU machines), what the optimizer can change:
+A snapshot ([`HostSnapshot`]) holds, in host memory (pinned on GPU machines), what the optimizer can change:
 
 * without DeepSpeed (one GPU, DDP, FSDP2): every trainable parameter in its own dtype and the torch optimizer's
   state: AdamW's two moments per trainable parameter. Frozen parameters (a LoRA base) are checked, never copied;

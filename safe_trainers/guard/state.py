@@ -6,16 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from dataclasses import asdict, dataclass, fields
-from typing import Any
 
-from ..files import write_text_no_follow
-from .spikes import SpikeWindow
+from ..runtime.files import write_text_no_follow
+from ..runtime.guard_state_file import GUARD_STATE_FILE, GUARD_STATE_LIMIT, guard_state_problem
+from .step.spikes import SpikeWindow
 
-GUARD_STATE_FILE = "nan_guard_state.json"
-# The largest guard state read (a few hundred bytes, with a spike window of a few thousand floats).
-GUARD_STATE_LIMIT = 16 * 2**20
 logger = logging.getLogger("safe_trainers")
 
 
@@ -68,37 +64,3 @@ class GuardState:
             return None
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in saved.items() if k in known})
-
-
-_NUMBER = (int, float)
-# What `GuardState.load` restores: field -> the types it accepts.
-GUARD_STATE_TYPES: dict[str, tuple[type, ...]] = {
-    "skipped_steps": (int,),
-    "overflow_steps": (int,),
-    "rollbacks": (int,),
-    "discarded_steps": (int,),
-    "lr_scale": _NUMBER,
-    "learning_rate": (*_NUMBER, type(None)),
-    "localized": (bool,),
-    "spike_steps": (int,),
-    "spike_window": (dict, type(None)),
-}
-
-
-def guard_state_problem(saved: Any) -> str | None:
-    """Why a parsed `nan_guard_state.json` cannot be restored (after "`nan_guard_state.json` "), or `None`."""
-    if not isinstance(saved, dict):
-        return f"is a JSON `{type(saved).__name__}`, not an object"
-    for key, types in GUARD_STATE_TYPES.items():
-        value = saved.get(key)
-        if key in saved and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
-            return f"holds `{key}` of type `{type(value).__name__}`"
-    window = saved.get("spike_window") or {}
-    if not all(isinstance(v, list) and all(_float(x) for x in v) for v in window.values()):
-        return "holds a `spike_window` that is not lists of numbers"
-    return None
-
-
-def _float(value: Any) -> bool:
-    """Whether `value` is a number the window's float tensor can hold (an integer past a float's range is not)."""
-    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= sys.float_info.max)

@@ -29,9 +29,9 @@ import torch
 from safetensors import safe_open
 from transformers.trainer import TRAINER_STATE_NAME
 
-from ..guard.checkpoint_dirs import checkpoints
-from ..guard.finite import any_nonfinite
-from ..guard.nested import named_tensors
+from ..runtime.checkpoint_dirs import checkpoints
+from ..runtime.finite import any_nonfinite
+from ..runtime.nested import named_tensors
 from .completeness import BACKEND_STATE_PREFIXES, incomplete_checkpoint, read_json
 from .pickled_state import trust_hint, unsafe_state_problem
 

@@ -34,6 +34,8 @@ class CompileWatch(TrainerCallback):
         listeners (`list`): objects with `compile_began()` and `compile_ended()` (called in the compiling thread).
     """
 
+    priority = 0  # the integration layer's order (`trainer/run.py`): anywhere
+
     def __init__(self, listeners: list[CompileListener]):
         self.listeners = listeners
         self.compiling = False  # a compilation began and has not ended (one at a time: torch counts the nesting)

@@ -7,7 +7,7 @@ resume (`JSONDecodeError`) on every restart. A file is complete when:
 * JSON (`trainer_state.json`, `config.json`, indexes, the guard's state, tokenizer files): it is at most
   `JSON_LIMIT` bytes (a larger one is not read), it parses, and the files the resume reads have the shape it reads
   (`trainer_state.json`: an object with an integer `global_step` and fields of the types transformers restores; the
-  guard's `nan_guard_state.json`: see `guard.state.guard_state_problem`);
+  guard's `nan_guard_state.json`: see `runtime/guard_state_file.py`);
 * safetensors: its header length is at most `HEADER_LIMIT` and inside the file (checked before anything is
   allocated), the header parses into entries with two integer `data_offsets`, and the file is exactly as long as the
   header's tensor offsets say;
@@ -33,7 +33,7 @@ from typing import Any
 from transformers import TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
-from ..guard.state import GUARD_STATE_FILE, guard_state_problem
+from ..runtime.guard_state_file import GUARD_STATE_FILE, guard_state_problem
 from .pickled_state import DEEPSPEED_LATEST, LATEST_LIMIT
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")

@@ -20,8 +20,8 @@ import logging
 import os
 from collections.abc import Mapping
 
-from ..files import open_append_no_follow
-from .launch import will_restart
+from ..runtime.files import open_append_no_follow
+from .agents import will_restart
 
 logger = logging.getLogger("safe_trainers")
 
@@ -61,7 +61,7 @@ def stacks_path(output_dir: str, rank: int) -> str:
 def write_stacks(path: str, head: str) -> None:
     """Append `head` and the stacks of every thread of this process to `path`."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open_append_no_follow(path) as f:  # a link there is refused (`files.py`)
+    with open_append_no_follow(path) as f:  # a link there is refused (`runtime/files.py`)
         f.write(head)
         f.flush()
         faulthandler.dump_traceback(f, all_threads=True)

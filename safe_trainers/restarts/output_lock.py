@@ -42,7 +42,7 @@ from typing import Any, Literal
 from accelerate.utils import broadcast_object_list, gather_object
 
 from ..errors import OutputDirInUseError
-from .launch import agent_identity, launch_agents, restart_count, same_launch
+from .agents import agent_identity, launch_agents, restart_count, same_launch
 
 logger = logging.getLogger("safe_trainers")
 
@@ -147,10 +147,10 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 
 @contextmanager
-def hold_output_dir(trainer: Any) -> Iterator[OutputDirLock]:
-    """Hold `trainer.args.output_dir` for the block (a `train()` call); raise [`OutputDirInUseError`] on every rank
-    when another live run holds it. Collectives: every rank enters."""
-    lock = acquire(trainer.args)
+def hold_output_dir(args: Any) -> Iterator[OutputDirLock]:
+    """Hold `args.output_dir` for the block (a `train()` call); raise [`OutputDirInUseError`] on every rank when
+    another live run holds it. Collectives: every rank enters."""
+    lock = acquire(args)
     try:
         yield lock
     finally:
@@ -271,11 +271,11 @@ def read_holder(path: str) -> Holder | None:
         os.close(fd)
 
 
-def publishes_here(trainer: Any) -> bool:
+def publishes_here(args: Any, lock: OutputDirLock | None) -> bool:
     """Whether this process publishes checkpoints and rotates in `output_dir`: it saves (`args.should_save`) and is
-    not a node that shares the storage of its launch's rank 0 (`save_on_each_node=True` on shared storage)."""
-    lock = getattr(trainer, "output_lock", None)
-    return trainer.args.should_save and (lock is None or lock.publishes)
+    not a node that shares the storage of its launch's rank 0 (`save_on_each_node=True` on shared storage; `lock`:
+    this process's hold, `None` outside `train()`)."""
+    return args.should_save and (lock is None or lock.publishes)
 
 
 def in_use_message(output_dir: str, path: str, holder: Holder | None) -> str:

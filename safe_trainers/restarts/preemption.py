@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..guard.collectives import distributed, ranks_with_flag
-from ..guard.events import NanEvent
-from ..guard.host_buffers import queue_host_copy
+from ..runtime.collectives import distributed, ranks_with_flag
+from ..runtime.events import EventLog, RunEvent
+from ..runtime.host_buffers import queue_host_copy
 
 logger = logging.getLogger("safe_trainers")
 
@@ -128,14 +128,20 @@ class AgreedBits:
 class PreemptionCallback(TrainerCallback):
     """Installs the signal handlers, decides the step every rank stops at, and has that step save.
 
+    It rides on the guard's per-step all-reduce (a [`FlagRider`], `runtime/ports.py`: the integration layer hands it
+    to the guard), and the stopping step's save is the guard's verified one.
+
     Args:
-        guard ([`NanGuard`]): the trainer's guard (its per-step all-reduce carries the bit; its save verifies).
+        events ([`EventLog`]): the run's event log (the `preempt` event).
         signals (`tuple[signal.Signals]`): the signals that mean "preempted".
     """
 
-    def __init__(self, guard: Any, signals: tuple[signal.Signals, ...]):
-        self.guard = guard
+    priority = 40  # the integration layer's order (`trainer/run.py`): before the step record and the guard
+
+    def __init__(self, events: EventLog, signals: tuple[signal.Signals, ...]):
+        self.events = events
         self.signals = signals
+        self.state: Any = None  # the loop's `TrainerState`, from `on_train_begin`
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
         self.received_step: int | None = None
@@ -152,7 +158,7 @@ class PreemptionCallback(TrainerCallback):
             logger.warning(f"{sig.name} again: already stopping at a step boundary for {self.received.name}.")
             return
         self.received, self.received_at = sig, time.monotonic()
-        self.received_step = self.guard.trainer.state.global_step + 1
+        self.received_step = (self.state.global_step if self.state is not None else 0) + 1
         previous = self._previous.get(sig)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
@@ -188,7 +194,7 @@ class PreemptionCallback(TrainerCallback):
             self.bits.agreed(step, bit)
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
-        self.bits = None
+        self.bits, self.state = None, state
         self.install()
 
     def on_step_end(self, args, state, control, **kwargs: Any):
@@ -206,19 +212,20 @@ class PreemptionCallback(TrainerCallback):
         self.restore()
 
     # ------------------------------------------------------------------ exit
-    def exit_if_stopping(self, state: Any) -> None:
-        """After the stopping step's save: record the event and raise [`Preempted`] (training not finished)."""
+    def exit_if_stopping(self, state: Any, device: Any) -> None:
+        """After the stopping step's save: record the event and raise [`Preempted`] (training not finished). `state`:
+        the loop's `TrainerState`; `device`: where the ranks' collective runs."""
         if self.stopping_at is None or state.global_step != self.stopping_at:
             return
         self.restore()
         name = self.received.name if self.received is not None else "a signal on another rank"
-        received = torch.tensor([self.received is not None], device=self.guard.trainer.args.device)
+        received = torch.tensor([self.received is not None], device=device)
         ranks = ranks_with_flag(received)[0]  # every rank stops at this step: one collective, once
         detail = {"signal": name, "received_step": self.received_step, "checkpoint_step": self.stopping_at}
         if self.received_at is not None:
             detail["seconds_since_signal"] = round(time.monotonic() - self.received_at, 3)
-        self.guard.events.add(NanEvent(self.stopping_at, "preempt", [], ranks, detail))
-        if self.guard.trainer.is_world_process_zero():
+        self.events.add(RunEvent(self.stopping_at, "preempt", [], ranks, detail))
+        if state.is_world_process_zero:
             logger.warning(
                 f"Preempted ({name}): checkpoint-{self.stopping_at} is published; exiting with status "
                 f"{PREEMPTED_EXIT_CODE} (preempted, resumable). A restart by the elastic agent, or "

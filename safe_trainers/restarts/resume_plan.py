@@ -24,20 +24,18 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from ..guard.checkpoint_dirs import checkpoint_step
-from ..guard.events import NanEvent
+from ..runtime.checkpoint_dirs import checkpoint_step
+from ..runtime.events import EventLog, RunEvent
 from .checkpoint_choice import (
     CheckpointChoice, PassedOver, checker, checkpoint_problem, choose_checkpoint, safety_problem,
 )  # fmt: skip
-from .launch import TrainCalls, agent_identity, launch_agents, restart_count, same_launch
-from .step_record import History, Progress, data_identity, inherit, read_progress
+from .agents import TrainCalls, agent_identity, launch_agents, restart_count, same_launch
+from .progress import History, Progress, data_identity, inherit, read_progress
 
-if TYPE_CHECKING:
-    from ..guard.guard import NanGuard
 
 logger = logging.getLogger("safe_trainers")
 
@@ -166,15 +164,20 @@ def shared_output_dir_message(output_dir: str, stage: int, later: int) -> str:
     )
 
 
-def resolve_run(trainer: Any, requested: str | bool | None) -> ResumePlan:
-    """Plan on the main process, hand the plan to every rank, report it; raise if `True` found no checkpoint."""
-    args, settings = trainer.args, getattr(trainer, "safety_settings", None)
+def resolve_run(args: Any, settings: Any, rows: int | None, requested: str | bool | None) -> ResumePlan:
+    """Plan on the main process, hand the plan to every rank, report it; raise if `True` found no checkpoint.
+
+    Args:
+        args: the trainer's config (`output_dir`, `process_index`, what identifies the data order).
+        settings ([`SafetyArguments`], *optional*): the `resume_on_restart`, `skip_step_after_crashes` and
+            `trusted_checkpoint_globals` settings (`None`: their defaults).
+        rows (`int | None`): the training dataset's length, when it has one.
+        requested: `train()`'s `resume_from_checkpoint`.
+    """
     stage = TrainCalls.next(args.output_dir)
     agents = launch_agents(gather_object([agent_identity(os.environ)]))  # one collective: every node's agent
     plan: ResumePlan | ValueError | None = None
     if args.process_index == 0:
-        dataset = getattr(trainer, "train_dataset", None)
-        rows = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
         try:
             plan = plan_resume(
                 requested if requested is not False else None,
@@ -199,7 +202,7 @@ def resolve_run(trainer: Any, requested: str | bool | None) -> ResumePlan:
     return plan
 
 
-def record_resume(guard: NanGuard, plan: ResumePlan) -> None:
+def record_resume(events: EventLog, plan: ResumePlan) -> None:
     """Add the `resume` event (after the guard started its run: the event log is the resumed one) when the resume
     logic chose the checkpoint, or earlier processes of the run died; an explicit path after a clean run adds none."""
     if plan.reason in ("new", "explicit") and not plan.restart and not plan.history.deaths:
@@ -215,7 +218,7 @@ def record_resume(guard: NanGuard, plan: ResumePlan) -> None:
     }
     if plan.finished:
         detail["finished"] = (plan.history.result or {}).get("global_step", step)
-    guard.events.add(NanEvent(step or 0, "resume", [], [], detail))
+    events.add(RunEvent(step or 0, "resume", [], [], detail))
 
 
 def no_checkpoint_message(output_dir: str, passed_over: tuple[PassedOver, ...]) -> str:

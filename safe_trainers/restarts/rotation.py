@@ -16,7 +16,7 @@ import os
 import shutil
 from collections.abc import Iterable
 
-from ..guard.checkpoint_dirs import checkpoint_step, checkpoints
+from ..runtime.checkpoint_dirs import checkpoint_step, checkpoints
 
 logger = logging.getLogger("safe_trainers")
 

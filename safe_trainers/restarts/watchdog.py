@@ -108,6 +108,8 @@ class HangWatchdog(TrainerCallback):
             event), in the watchdog's thread, before the process exits.
     """
 
+    priority = 10  # the integration layer's order (`trainer/run.py`): after the guard
+
     def __init__(
         self,
         output_dir: str,
@@ -286,14 +288,6 @@ class HangWatchdog(TrainerCallback):
                     exit_hung()
 
 
-class _Unwatched:
-    """No watchdog (`hang_timeout=0`, or before one is attached): nothing is timed."""
-
-    paused = armed = staticmethod(contextlib.nullcontext)
-
-
-UNWATCHED = _Unwatched()
-
 __all__ = [
-    "HANG_FLOOR", "HUNG_EXIT_CODE", "UNWATCHED", "HangWatchdog", "generation_period", "hang_bound", "stacks_path",
+    "HANG_FLOOR", "HUNG_EXIT_CODE", "HangWatchdog", "generation_period", "hang_bound", "stacks_path",
 ]  # fmt: skip  (`HUNG_EXIT_CODE` and `stacks_path` live in `hang_report.py`)

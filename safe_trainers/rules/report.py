@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..files import write_text_no_follow
+from ..runtime.files import write_text_no_follow
 from ..redact import mask_secret
 
 

@@ -3,7 +3,7 @@
 `FaultInjector` is a `TrainerCallback`. Each fault fires at one optimizer step, optionally on one rank only:
 
 ```python
-from safe_trainers.testing.faults import Fault, FaultInjector
+from .faults import Fault, FaultInjector
 
 trainer.add_callback(FaultInjector([Fault(step=6, kind="loss"), Fault(step=9, kind="grad", rank=1)]))
 ```
@@ -24,7 +24,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..guard.backends import unwrap_optimizer
-from ..guard.sharding import is_sharded, local
+from ..runtime.sharding import is_sharded, local
 
 
 FaultKind = Literal["loss", "grad", "weight", "update", "frozen", "loss_scale", "grad_scale"]

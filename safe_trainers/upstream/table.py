@@ -3,7 +3,7 @@ cannot work without): one [`Touchpoint`] each. Data only.
 
 `docs/design/upstream.md` is generated from this table (`render_markdown`); the names of the rows whose `at_import`
 holds are verified when the trainers are imported (`names.py`), and the rows with a `check` are verified while
-training (`safe_trainers/guard/hooks_ran.py`). "since" was read from the released wheels' source (transformers 4.0 to
+training (`safe_trainers/trainer/hooks_ran.py`). "since" was read from the released wheels' source (transformers 4.0 to
 5.24, TRL 0.16 to 1.16, PEFT 0.17, DeepSpeed 0.18).
 """
 
@@ -22,7 +22,8 @@ DEVICES = "cli/target.py, rules/apply.py"
 NO_DEVICE = "tests/rules/test_no_device_setup.py"
 DEVICE_TESTS = (f"{NO_DEVICE}::test_check_sets_up_no_device",
                 f"{NO_DEVICE}::test_the_fixed_copy_of_args_sets_up_nothing_new")
-TRAINER_HOOKS = "guard/trainer_hooks.py"
+TRAINER_HOOKS = "trainer/hooks.py"
+CHECKPOINT_HOOKS = "trainer/checkpoints.py"
 TRANSFORMERS: tuple[T, ...] = (
     T(TRAINER, "_get_grad_norm", "method", "overrides", "5.3.0", TRAINER_HOOKS,
       "the per-step gradient hook: `NanGuard.end_of_step` closes the step's fault flag there",
@@ -32,7 +33,7 @@ TRANSFORMERS: tuple[T, ...] = (
       "the loss accumulator: `NanGuard.observe_loss` folds each micro-batch's loss into the step's fault flag",
       (f"{HOOKS}::test_without_the_loss_hook_the_run_stops_before_its_first_update",
        "tests/guard/test_guard.py::test_nan_loss_is_skipped"), check="pre_optimizer_step"),
-    T(TRAINER, "compute_loss", "method", "overrides, calls", "<=4.0", "guard/trainer_hooks.py, guard/localize.py",
+    T(TRAINER, "compute_loss", "method", "overrides, calls", "<=4.0", "trainer/hooks.py, trainer/replay.py",
       "keeps a host copy of each micro-batch and replays it to name the first non-finite module",
       ("tests/guard/test_faulty_micro_batch.py::test_diagnosis_finds_the_faulty_micro_batch",)),
     T(TRAINER, "_tr_loss", "attribute", "reads, writes", "5.3.0", TRAINER_HOOKS,
@@ -54,7 +55,7 @@ TRANSFORMERS: tuple[T, ...] = (
       (f"{HOOKS}::test_without_the_log_window_hook_the_run_stops_after_its_first_step",
        "tests/guard/test_guard_bookkeeping_edges.py::test_a_late_callbacks_save_and_eval_see_a_verified_state"),
       check="next_step"),
-    T(TRAINER, "_save_checkpoint", "method", "overrides, calls", "<=4.0", "guard/trainer_hooks.py, guard/recovery.py",
+    T(TRAINER, "_save_checkpoint", "method", "overrides, calls", "<=4.0", "trainer/checkpoints.py, trainer/inspection.py",
       "the checkpoint path: verify, write to the staging directory, publish by renaming; its own rotation (run where "
       "it wrote, by `args.save_total_limit`) is kept out of the staging directory by unsetting the limit meanwhile",
       (f"{HOOKS}::test_a_checkpoint_saved_outside_the_staging_path_stops_the_run",
@@ -62,31 +63,31 @@ TRANSFORMERS: tuple[T, ...] = (
        "tests/guard/test_output_dir_links.py::test_the_trainers_own_rotation_never_runs_inside_the_staging_dir"),
       check="save"),
     T(TRAINER, "_get_output_dir", "method", "overrides, calls", "4.21-4.30",
-      "guard/trainer_hooks.py, guard/recovery.py",
+      "trainer/checkpoints.py, trainer/inspection.py",
       "where the Trainer writes a checkpoint: the staging directory while the guard saves",
       (f"{HOOKS}::test_a_checkpoint_saved_outside_the_staging_path_stops_the_run",
        "tests/guard/test_checkpoints_published.py::test_on_save_and_hub_uploads_see_published_checkpoints"),
       check="save", when="saved"),
-    T(TRAINER, "_push_from_checkpoint", "method", "overrides, calls", "4.11-4.20", TRAINER_HOOKS,
+    T(TRAINER, "_push_from_checkpoint", "method", "overrides, calls", "4.11-4.20", CHECKPOINT_HOOKS,
       "Hub uploads: only of published checkpoints (run-time check: none, it runs only with `push_to_hub`)",
       ("tests/guard/test_checkpoints_published.py::test_on_save_and_hub_uploads_see_published_checkpoints",)),
-    T(TRAINER, "_save", "method", "overrides", "<=4.0", TRAINER_HOOKS,
+    T(TRAINER, "_save", "method", "overrides", "<=4.0", CHECKPOINT_HOOKS,
       "`save_model` refuses non-finite weights (run-time check: none, not every backend saves through it)",
       ("tests/guard/test_final_weights_finite.py::test_save_model_refuses_nonfinite_weights",)),
     T(TRAINER, "_load_optimizer_and_scheduler", "method", "overrides, calls", "<=4.0",
-      "guard/trainer_hooks.py, guard/disk_snapshot.py",
+      "trainer/hooks.py, trainer/checkpoint_rollback.py",
       "resume: the backed-off learning rate comes back with the optimizer; rollback from disk reloads it",
       (f"{HOOKS}::test_a_resume_that_bypasses_the_guard_stops_before_its_first_update",
        "tests/guard/test_abort_checkpoint.py::test_abort_checkpoint_holds_the_backed_off_lr_and_resumes"),
       check="pre_optimizer_step", when="resumed"),
-    T(TRAINER, "_load_from_checkpoint", "method", "calls", "4.11-4.20", "guard/disk_snapshot.py",
+    T(TRAINER, "_load_from_checkpoint", "method", "calls", "4.11-4.20", "trainer/checkpoint_rollback.py",
       "rollback from disk (`nan_rollback_from=\"checkpoint\"`) reloads the weights",
       ("tests/guard/test_guard_disk_rollback.py::test_rollback_reloads_the_newest_checkpoint",)),
-    T(TRAINER, "_load_best_model", "method", "calls", "4.11-4.20", "guard/recovery.py",
+    T(TRAINER, "_load_best_model", "method", "calls", "4.11-4.20", "trainer/inspection.py",
       "weights damaged after the last check are replaced by the best checkpoint (`load_best_model_at_end`)",
       ("tests/guard/test_guard_late_damage.py::test_with_load_best_model_at_end_the_best_checkpoint_is_put_back",)),
     T("transformers:TrainerCallback", "on_pre_optimizer_step", "method", "overrides", "4.41-4.45",
-      "guard/callback.py, guard/hooks_ran.py",
+      "trainer/callbacks.py, trainer/hooks_ran.py",
       "the event before `optimizer.step()`, where the guard hands the step's fault flag to the optimizer: the skip",
       (f"{HOOKS}::test_without_the_pre_optimizer_event_the_run_stops_at_its_first_step",
        "tests/guard/test_guard.py::test_nan_loss_is_skipped"), check="step_end"),
@@ -94,7 +95,7 @@ TRANSFORMERS: tuple[T, ...] = (
       "no step past `max_steps`: a run resumed from the checkpoint of its last step fetches no batch",
       ("tests/restarts/test_cluster_launches.py::test_resuming_from_the_final_checkpoint_trains_no_step",)),
     T("transformers.integrations.deepspeed", "deepspeed_load_checkpoint", "function", "imports", "4.32-4.33",
-      "guard/disk_snapshot.py", "rollback from disk under DeepSpeed",
+      "trainer/checkpoint_rollback.py", "rollback from disk under DeepSpeed",
       ("tests/guard/test_guard_disk_rollback.py::test_two_ranks_roll_back_to_the_same_checkpoint",)),
     T("transformers.integrations.deepspeed", "unset_hf_deepspeed_config", "function", "calls", "4.32-4.33",
       "scripts/launch.py", "builds the embedded toy model outside ZeRO-3's `zero.Init`",
@@ -120,7 +121,7 @@ TRANSFORMERS: tuple[T, ...] = (
       "the GPU count the cached device recorded: set by `check`'s device, shared by the fixed copy", DEVICE_TESTS),
 )
 
-GENERATION = "guard/generation.py"
+GENERATION = "trainer/generation.py"
 ROLLOUTS = "tests/guard/test_grpo_rollouts_after_rollback.py"
 GRPO_TESTS = {
     "_generate_and_score_completions": (
@@ -161,14 +162,14 @@ def _online(owner: str, since: str, rewards_since: str) -> tuple[T, ...]:
 TRL: tuple[T, ...] = (
     *_online("trl:GRPOTrainer", "<=0.16", rewards_since="0.19"),
     *_online("trl:RLOOTrainer", "0.21-0.24", rewards_since="0.21-0.24"),
-    T("trl:*Trainer", "_metrics", "attribute", "reads, writes", "1.8.0 (all six)", "guard/localize.py",
+    T("trl:*Trainer", "_metrics", "attribute", "reads, writes", "1.8.0 (all six)", "trainer/replay.py",
       "TRL's logged metrics, put back after the diagnosis replay",
       (REPLAY, "tests/guard/test_guard_bookkeeping_edges.py::test_diagnosis_replay_does_not_count_in_trl_metrics")),
-    T("trl:*Trainer", "_total_train_tokens", "attribute", "reads, writes", "1.8.0 (all six)", "guard/localize.py",
+    T("trl:*Trainer", "_total_train_tokens", "attribute", "reads, writes", "1.8.0 (all six)", "trainer/replay.py",
       "TRL's token counter (`num_tokens`), put back after the diagnosis replay",
       (REPLAY, "tests/guard/test_guard_bookkeeping_edges.py::test_diagnosis_replay_does_not_count_in_trl_metrics")),
     *(
-        T("trl:GRPOTrainer", name, "attribute", "reads, writes", "1.8.0", "guard/localize.py",
+        T("trl:GRPOTrainer", name, "attribute", "reads, writes", "1.8.0", "trainer/replay.py",
           f"the adaptive entropy controller's {what}, put back after the diagnosis replay", (REPLAY,))
         for name, what in (
             ("entropy_coef", "coefficient"),
@@ -176,7 +177,7 @@ TRL: tuple[T, ...] = (
             ("_entropy_window_stats", "window sums"),
         )
     ),
-    T("trl.trainer.utils", "get_config_model_id", "function", "imports", "0.25-0.26", "mixin.py",
+    T("trl.trainer.utils", "get_config_model_id", "function", "imports", "0.25-0.26", "trainer/mixin.py",
       "names the default output directory after the model, as TRL does",
       ("tests/trainers/test_trainers.py::test_args_none_default_config_named_after_model",)),
 )
@@ -185,24 +186,24 @@ ZERO_TEST = "tests/guard/test_guard_distributed.py::test_deepspeed_zero_fault_on
 PLANTED_TEST = "tests/guard/test_planted_distributed.py::test_a_real_checkpoint_is_accepted_and_a_planted_one_runs_nothing"
 COMPILE_TEST = "tests/restarts/test_hang_progress.py::test_a_step_that_compiles_past_the_bound_finishes"
 OTHERS: tuple[T, ...] = (
-    T("torch", "_foreach_norm", "function", "calls", "<=2.13 (not bisected)", "guard/finite.py",
+    T("torch", "_foreach_norm", "function", "calls", "<=2.13 (not bisected)", "runtime/finite.py",
       "one fused finiteness check over many tensors", ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
     T("torch.optim:Optimizer", "_step_supports_amp_scaling", "attribute", "reads", "<=2.13 (not bisected)",
-      "guard/skip.py", "fused optimizers skip a faulty step on the device (no host sync)",
+      "guard/step/skip.py", "fused optimizers skip a faulty step on the device (no host sync)",
       ("tests/guard/test_guard.py::test_nan_loss_is_skipped",)),
-    T("torch.optim:Optimizer", "found_inf", "attribute", "writes", "<=2.13 (not bisected)", "guard/skip.py",
+    T("torch.optim:Optimizer", "found_inf", "attribute", "writes", "<=2.13 (not bisected)", "guard/step/skip.py",
       "the device flag a fused optimizer reads to skip its step, removed after the step",
       ("tests/guard/test_guard.py::test_nan_loss_is_skipped",
        "tests/guard/test_guard_loss_scaler.py::test_the_fused_optimizers_found_inf_is_removed_after_the_step")),
     T("torch.amp:GradScaler", "_per_optimizer_states", "attribute", "reads", "<=2.13 (not bisected)",
-      "guard/skip.py", "whether the fp16 scaler has unscaled this step's gradients yet, before the fault is folded in",
+      "guard/step/skip.py", "whether the fp16 scaler has unscaled this step's gradients yet, before the fault is folded in",
       ("tests/guard/test_guard_loss_scaler.py::test_a_step_whose_gradients_were_not_unscaled_yet_is_checked_first",)),
     T("torch.amp:GradScaler", "_found_inf_per_device", "method", "calls", "<=2.13 (not bisected)",
-      "guard/skip.py", "the fp16 scaler's own `found_inf`, into which the guard folds a faulted step (no host sync)",
+      "guard/step/skip.py", "the fp16 scaler's own `found_inf`, into which the guard folds a faulted step (no host sync)",
       ("tests/guard/test_guard_loss_scaler.py::test_a_faulted_step_is_skipped_through_the_scalers_found_inf",
        "tests/guard/test_guard_loss_scaler.py::test_without_the_guard_a_poisoned_step_crashes_the_scaler")),
     T("torch.optim.lr_scheduler:LRScheduler", "_last_lr", "attribute", "writes", "<=2.13 (not bisected)",
-      "guard/recovery.py", "the reported learning rate after a backoff",
+      "guard/rollback/actions.py", "the reported learning rate after a backoff",
       ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
     *(
         T(owner, name, kind, uses, "<=2.13 (not bisected)", "restarts/compile_watch.py",
@@ -241,21 +242,21 @@ OTHERS: tuple[T, ...] = (
           (ZERO_TEST,))
         for module, name, kind, uses, where, stages, purpose in (
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "fp32_partitioned_groups_flat", "attribute", "reads",
-             "guard/finite.py", "3", "the fp32 master partition, verified finite"),
+             "runtime/finite.py", "3", "the fp32 master partition, verified finite"),
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "fp16_partitioned_groups_flat", "attribute", "reads",
-             "guard/finite.py", "3", "the 16-bit partition, verified finite"),
+             "runtime/finite.py", "3", "the 16-bit partition, verified finite"),
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "persistent_parameters", "attribute", "reads",
-             "guard/finite.py", "3", "parameters kept whole on every rank, verified finite"),
+             "runtime/finite.py", "3", "parameters kept whole on every rank, verified finite"),
             ("stage_1_and_2:DeepSpeedZeroOptimizer", "single_partition_of_fp32_groups", "attribute", "reads, writes",
-             "guard/finite.py, guard/snapshot.py", "1/2", "the fp32 master partition, verified and restored"),
+             "runtime/finite.py, guard/rollback/memory.py", "1/2", "the fp32 master partition, verified and restored"),
             ("stage_1_and_2:DeepSpeedZeroOptimizer", "bit16_groups_flat", "attribute", "reads",
-             "guard/finite.py", "1/2", "the 16-bit partition, verified finite"),
-            ("stage_1_and_2:DeepSpeedZeroOptimizer", "update_lp_params", "method", "calls", "guard/snapshot.py",
+             "runtime/finite.py", "1/2", "the 16-bit partition, verified finite"),
+            ("stage_1_and_2:DeepSpeedZeroOptimizer", "update_lp_params", "method", "calls", "guard/rollback/memory.py",
              "1/2", "copies the restored master weights to the 16-bit ones"),
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "checkpoint_event_prologue", "method", "calls",
-             "guard/snapshot.py", "3", "brackets the restore of a snapshot"),
+             "guard/rollback/memory.py", "3", "brackets the restore of a snapshot"),
             ("stage3:DeepSpeedZeroOptimizer_Stage3", "checkpoint_event_epilogue", "method", "calls",
-             "guard/snapshot.py", "3", "brackets the restore of a snapshot"),
+             "guard/rollback/memory.py", "3", "brackets the restore of a snapshot"),
         )
     ),
 )

@@ -12,13 +12,13 @@ from typing import Literal
 
 
 Kind = Literal["method", "function", "variable", "attribute"]
-# When the NaN guard verifies, while training, that the hook ran (see `safe_trainers/guard/hooks_ran.py`):
+# When the NaN guard verifies, while training, that the hook ran (see `safe_trainers/trainer/hooks_ran.py`):
 #   "pre_optimizer_step": before the first optimizer step of a `train()` call is applied;
 #   "step_end": at the end of that first step;
 #   "next_step": once the first step and what follows it (log, evaluation, save) are over;
 #   "save": at every checkpoint save.
 Check = Literal["pre_optimizer_step", "step_end", "next_step", "save"]
-# The run-time check applies only when this holds (see `CONDITIONS` in `safe_trainers/guard/hooks_ran.py`).
+# The run-time check applies only when this holds (see `CONDITIONS` in `safe_trainers/trainer/hooks_ran.py`).
 Condition = Literal["resumed", "vllm", "saved"]
 CHECK_TEXT: dict[str, str] = {
     "pre_optimizer_step": "before the first update",

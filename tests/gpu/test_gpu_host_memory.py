@@ -14,9 +14,9 @@ import torch
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard.backends import Backend
-from safe_trainers.guard.finite import all_finite
-from safe_trainers.guard.host_buffers import HostArena, HostBuffers, _register, _unregister, copy_to_host
-from safe_trainers.guard.snapshot import Snapshotter
+from safe_trainers.runtime.finite import all_finite
+from safe_trainers.runtime.host_buffers import HostArena, HostBuffers, _register, _unregister, copy_to_host
+from safe_trainers.guard.rollback.memory import HostSnapshot
 
 
 def test_the_check_is_quiet_on_large_values_and_catches_a_nan_on_cuda():
@@ -57,7 +57,7 @@ def test_fused_adamw_state_is_restored_on_the_device_even_into_an_empty_state():
 
     step()
     backend = Backend(optimizer, zero_stage=None, loss_scaled=False)
-    snapshotter, state = Snapshotter(model, backend), types.SimpleNamespace(global_step=1)
+    snapshotter, state = HostSnapshot(model, backend), types.SimpleNamespace(global_step=1)
     snapshotter.take(state)
     good = [p.detach().clone() for p in model.parameters()]
     assert "1.weight" not in snapshotter.snapshot.params and snapshotter.host.pinned  # frozen: not copied

@@ -9,8 +9,8 @@ import os
 import torch
 
 from safe_trainers.guard import read_events
-from safe_trainers.restarts.step_record import Death, History, ProgressWriter, data_identity
-from safe_trainers.restarts.launch import TrainCalls, agent_identity, launch_agents
+from safe_trainers.restarts.progress import Death, History, ProgressWriter, data_identity
+from safe_trainers.restarts.agents import TrainCalls, agent_identity, launch_agents
 from safe_trainers.testing.faults import Fault
 
 from gpu_utils import StepStates, all_finite, logged

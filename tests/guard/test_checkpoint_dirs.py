@@ -1,4 +1,4 @@
-"""`guard/checkpoint_dirs.py`: checkpoint names with transformers' prefix, and the staging directory a checkpoint is
+"""`runtime/checkpoint_dirs.py`: checkpoint names with transformers' prefix, and the staging directory a checkpoint is
 written to (a real directory of this user's); publishing from it is tested in `test_publishing.py`."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import os
 import pytest
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from safe_trainers.guard.checkpoint_dirs import (
+from safe_trainers.runtime.checkpoint_dirs import (
     STAGING_DIR, checked_staging, checkpoint_dir, checkpoint_step, checkpoints, staging_run_dir,
 )  # fmt: skip
-from safe_trainers.guard.publishing import recover_staging
+from safe_trainers.restarts.publishing import recover_staging
 
 
 def test_names_are_transformers_own_and_read_back_to_their_step(tmp_path):

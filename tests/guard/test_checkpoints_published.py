@@ -11,7 +11,7 @@ import trl
 import safe_trainers as st
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
-from safe_trainers.mixin import SafeTrainerMixin
+from safe_trainers.trainer.mixin import SafeTrainerMixin
 
 
 class _RecordingPushDPO(trl.DPOTrainer):

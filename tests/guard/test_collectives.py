@@ -1,4 +1,4 @@
-"""`guard/collectives.py` on its own: the three collectives the guard and the restarts use, in a single process (where
+"""`runtime/collectives.py` on its own: the three collectives the guard and the restarts use, in a single process (where
 they are the identity and no process group is needed) and across two real gloo ranks.
 
 The two-rank case starts two processes (`spawn`) that meet through a `FileStore` under `tmp_path` (no TCP port to
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from safe_trainers.guard.collectives import distributed, max_across_ranks, mean_across_ranks, ranks_with_flag
-from safe_trainers.guard.step_flags import StepFlags
+from safe_trainers.runtime.collectives import distributed, max_across_ranks, mean_across_ranks, ranks_with_flag
+from safe_trainers.guard.step.flags import StepFlags
 
 NAN, INF = float("nan"), float("inf")
 

@@ -1,4 +1,4 @@
-"""`EventLog` (`guard/events.py`): a new run keeps the previous log aside, a resumed run keeps the events of its own
+"""`EventLog` (`runtime/events.py`): a new run keeps the previous log aside, a resumed run keeps the events of its own
 timeline only, non-main processes write nothing, and NaN values are written as JSON strings."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import math
 
-from safe_trainers.guard.events import EVENTS_FILE, EventLog, NanEvent, read_events
+from safe_trainers.runtime.events import EVENTS_FILE, EventLog, RunEvent, read_events
 
 
 def write(tmp_path, steps: list[int]) -> EventLog:
     log = EventLog(str(tmp_path), write=True)
     log.start_run(resumed_at=None)
     for s in steps:
-        log.add(NanEvent(s, "skip", ["loss"], [0], {"loss": math.nan}))
+        log.add(RunEvent(s, "skip", ["loss"], [0], {"loss": math.nan}))
     return log
 
 
@@ -52,5 +52,5 @@ def test_a_process_that_does_not_write_leaves_the_files_alone(tmp_path):
     write(tmp_path, [1])
     log = EventLog(str(tmp_path), write=False)
     assert log.start_run(resumed_at=None) is None
-    log.add(NanEvent(3, "skip"))
+    log.add(RunEvent(3, "skip"))
     assert [e["step"] for e in read_events(str(tmp_path))] == [1] and [e.step for e in log.events] == [3]

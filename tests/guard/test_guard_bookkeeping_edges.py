@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
-from safe_trainers.guard.policy import StepRecord, judge_window
+from safe_trainers.guard.policy import StepReading, judge_window
 
 
 def test_best_model_of_the_snapshot_step_survives_a_rollback(toy_models, tmp_path):
@@ -147,7 +147,7 @@ def test_resume_true_without_a_checkpoint_keeps_the_event_log(toy_models, tmp_pa
 
 
 def test_fault_step_counts_back_across_inspection_windows():
-    bad = [StepRecord(s, math.nan, math.nan, bad=True) for s in (3, 4, 5)]
+    bad = [StepReading(s, math.nan, math.nan, bad=True) for s in (3, 4, 5)]
     first = judge_window(bad[:2], 0, 3, None)
     assert judge_window(bad[2:], first.consecutive, 3, None).fault_step == 3
 

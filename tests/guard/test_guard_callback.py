@@ -1,4 +1,4 @@
-"""`guard/callback.py` on its own: which guard method each Trainer event calls, and where the guard's callback runs
+"""`trainer/callbacks.py` on its own: which guard method each Trainer event calls, and where the guard's callback runs
 among the Trainer's: after transformers' `DefaultFlowCallback` decided whether the step logs, saves or ends training,
 and before the Trainer saves; the skip flag goes to the optimizer the Trainer passes (or `trainer.optimizer`)."""
 
@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_callback import DefaultFlowCallback
 
-from safe_trainers.guard.callback import NanGuardCallback
+from safe_trainers.trainer.callbacks import NanGuardCallback
 from safe_trainers.testing.build import build_trainer
 
 

@@ -1,4 +1,4 @@
-"""The state check (`safe_trainers.guard.finite.all_finite`): catches every NaN/Inf wherever it sits, never
+"""The state check (`safe_trainers.runtime.finite.all_finite`): catches every NaN/Inf wherever it sits, never
 raises a false alarm on large finite values, and holds at most one bounded piece beyond its inputs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from safe_trainers.guard.finite import CHUNK_BYTES, all_finite, flat_chunks
+from safe_trainers.runtime.finite import CHUNK_BYTES, all_finite, flat_chunks
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 BAD = [float("nan"), float("inf"), float("-inf")]
@@ -74,7 +74,7 @@ def test_pieces_are_views_that_cover_every_element_once(shape, elements, transpo
 
 PEAK = """
 import json, resource, sys, torch
-from safe_trainers.guard.finite import all_finite
+from safe_trainers.runtime.finite import all_finite
 torch.set_num_threads(1)
 tensor = torch.empty(128 * 2**20, dtype=torch.bfloat16).uniform_(-1, 1)  # 256 MiB
 views = [tensor, tensor.view(2**13, -1).t()] if sys.argv[1] == "transposed" else [tensor]

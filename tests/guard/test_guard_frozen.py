@@ -1,4 +1,4 @@
-"""Frozen parameters (`safe_trainers.guard.frozen`): checked, never copied into the snapshot, and when damaged
+"""Frozen parameters (`safe_trainers.guard.rollback.frozen`): checked, never copied into the snapshot, and when damaged
 restored from their files only where the files hold them, or the run stops naming them."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard import read_events
-from safe_trainers.guard.finite import CHUNK_BYTES
-from safe_trainers.guard.frozen import file_keys, repair_frozen, source_matches
+from safe_trainers.runtime.finite import CHUNK_BYTES
+from safe_trainers.guard.rollback.frozen import file_keys, repair_frozen, source_matches
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault, first_frozen_matrix
 
@@ -151,7 +151,7 @@ def test_a_parameter_unfrozen_after_the_last_snapshot_is_checked_after_a_restore
 PEAK_REPAIR = """
 import json, os, sys, tempfile, threading, time, torch
 from safetensors.torch import save_file
-from safe_trainers.guard.frozen import SafetensorsIndex
+from safe_trainers.guard.rollback.frozen import SafetensorsIndex
 torch.set_num_threads(1)
 
 def anon():  # the process's anonymous memory now (the file's pages, read through a mapping, are not counted)

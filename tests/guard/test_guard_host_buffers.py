@@ -1,4 +1,4 @@
-"""The host layout of the guard's copies (`safe_trainers.guard.host_buffers`): one buffer per dtype, sized exactly,
+"""The host layout of the guard's copies (`safe_trainers.runtime.host_buffers`): one buffer per dtype, sized exactly,
 a view per tensor, allocated once and reused; and a snapshot's restore into the live tensors (`snapshot.py`)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from safe_trainers.guard.host_buffers import HostArena, HostBuffers, copy_to_host, plan, queue_host_copy
-from safe_trainers.guard.snapshot import _restored
+from safe_trainers.runtime.host_buffers import HostArena, HostBuffers, copy_to_host, plan, queue_host_copy
+from safe_trainers.guard.rollback.memory import _restored
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool]

@@ -16,8 +16,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from safe_trainers.guard.skip import route_for
-from safe_trainers.guard.step_flags import StepFlags
+from safe_trainers.guard.step.skip import route_for
+from safe_trainers.guard.step.flags import StepFlags
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from safe_trainers.guard.policy import StepRecord, can_roll_back, judge_window
+from safe_trainers.guard.policy import StepReading, can_roll_back, judge_window
 
 
 NAN = float("nan")
 
 
 def applied(step, loss=0.5, grad_norm=1.0):
-    return StepRecord(step, loss, grad_norm, bad=False)
+    return StepReading(step, loss, grad_norm, bad=False)
 
 
 def skipped(step):
-    return StepRecord(step, NAN, NAN, bad=True, bad_ranks=(0,))
+    return StepReading(step, NAN, NAN, bad=True, bad_ranks=(0,))
 
 
 def overflow(step):
-    return StepRecord(step, 0.5, float("inf"), bad=True, overflow=True)
+    return StepReading(step, 0.5, float("inf"), bad=True, overflow=True)
 
 
 def test_consecutive_skips_roll_back_from_the_first_of_the_run():

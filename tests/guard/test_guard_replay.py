@@ -1,4 +1,4 @@
-"""The diagnosis replay (`guard/localize.py::diagnose`) is not training: it leaves the trainer as it found it.
+"""The diagnosis replay (`trainer/replay.py::diagnose`) is not training: it leaves the trainer as it found it.
 
 It replays a faulty step's micro-batches through `trainer.compute_loss` to name the first non-finite module. TRL's
 `compute_loss` also counts metrics and tokens and, for GRPO with `use_adaptive_entropy=True` (TRL 1.8 and later),
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from safe_trainers.guard.localize import diagnose
+from safe_trainers.trainer.replay import diagnose
 from safe_trainers.testing.build import build_trainer
 
 

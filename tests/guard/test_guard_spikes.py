@@ -1,4 +1,4 @@
-"""The spike detector (`safe_trainers.guard.spikes`): a spike in the loss or the gradient norm is skipped before its
+"""The spike detector (`safe_trainers.guard.step.spikes`): a spike in the loss or the gradient norm is skipped before its
 update, on the device; skipped steps stay out of the window; the window is saved with checkpoints and a resumed run
 continues it. Unit tests feed the detector plain values; the run tests train DPO for real with spikes injected
 (`Fault(kind="loss_scale")`, `Fault(kind="grad_scale")`)."""
@@ -19,8 +19,8 @@ from hypothesis import strategies as st_
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.policy import StepRecord, diagnosed_step, judge_window, spike_run_rolled_back
-from safe_trainers.guard.spikes import SpikeSettings, SpikeWindow
+from safe_trainers.guard.policy import StepReading, diagnosed_step, judge_window, spike_run_rolled_back
+from safe_trainers.guard.step.spikes import SpikeSettings, SpikeWindow
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
@@ -123,15 +123,15 @@ def test_the_history_is_oldest_first_and_a_restored_window_judges_alike():
 
 def test_spiking_steps_count_as_skips_and_roll_back_in_a_row():
     def spike(step):
-        return StepRecord(step, 50.0, 1.0, bad=False, spike=True)
+        return StepReading(step, 50.0, 1.0, bad=False, spike=True)
 
-    ok = StepRecord(1, 0.5, 1.0, bad=False)
+    ok = StepReading(1, 0.5, 1.0, bad=False)
     verdict = judge_window([ok, spike(2), spike(3)], 0, 3)
     assert verdict.rollback is None and verdict.consecutive == 2 and [r.step for r in verdict.spikes] == [2, 3]
     assert verdict.skipped == []  # not faults: no diagnosis, no `skip` events
     assert judge_window([spike(4)], 2, 3).rollback == "consecutive_skips"
     # A run of skips that holds a spike restarts the window; a run of faults alone, or an earlier spike, does not.
-    fault = StepRecord(5, NAN, 1.0, bad=True)
+    fault = StepReading(5, NAN, 1.0, bad=True)
     assert spike_run_rolled_back(judge_window([spike(4)], 2, 3))
     assert not spike_run_rolled_back(judge_window([spike(2), ok, replace(fault, step=3), replace(fault, step=4),
                                                    fault], 0, 3))  # fmt: skip
@@ -145,7 +145,7 @@ def test_spiking_steps_count_as_skips_and_roll_back_in_a_row():
 
 def test_step_flags_fold_a_spike_into_the_skip_flag():
     # The hot path: StepFlags judges the step's (agreed) loss and norm and returns the skip flag the optimizer gets.
-    from safe_trainers.guard.step_flags import StepFlags
+    from safe_trainers.guard.step.flags import StepFlags
 
     flags = StepFlags(spikes=SpikeWindow(SpikeSettings(6.0, window=8, warmup=4)))
 

@@ -1,4 +1,4 @@
-"""`LossLedger` (`guard/ledger.py`): the logged loss of a window with a skipped step is the mean of its applied steps;
+"""`LossLedger` (`guard/step/ledger.py`): the logged loss of a window with a skipped step is the mean of its applied steps;
 a window without one leaves the Trainer's own value; `train_loss` counts the applied steps of the whole run."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from safe_trainers.guard.ledger import LossLedger
+from safe_trainers.guard.step.ledger import LossLedger
 
 
 def step(ledger: LossLedger, losses: list[float], skipped: bool) -> None:

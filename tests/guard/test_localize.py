@@ -1,11 +1,11 @@
-"""`guard/localize.py`: the replay names the first module whose output went non-finite, and which micro-batch of
+"""`guard/diagnosis.py`: the replay names the first module whose output went non-finite, and which micro-batch of
 the step; the recent micro-batches are kept until the next inspection."""
 
 from __future__ import annotations
 
 import torch
 
-from safe_trainers.guard.localize import RecentBatches, first_nonfinite_module, localize
+from safe_trainers.guard.diagnosis import RecentBatches, first_nonfinite_module, localize
 
 
 class Blowup(torch.nn.Module):

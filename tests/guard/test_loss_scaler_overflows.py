@@ -12,7 +12,7 @@ import safe_trainers as st
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
-from safe_trainers.mixin import SafeTrainerMixin
+from safe_trainers.trainer.mixin import SafeTrainerMixin
 
 
 class _ScaledDPO(trl.DPOTrainer):

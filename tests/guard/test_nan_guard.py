@@ -1,4 +1,4 @@
-"""`guard/guard.py` on its own: the [`NanGuard`] of a real tiny guarded trainer, driven through its public methods in
+"""`guard/nan_guard.py` on its own: the [`NanGuard`] of a real tiny guarded trainer, driven through its public methods in
 the order the Trainer's doors call them (`trainer_hooks.py`, `callback.py`), one optimizer step at a time, with real
 faults from `safe_trainers.testing.faults`. Each test states one contract of `NanGuard` (the NaN-step path of
 `docs/design/layout.md`)."""
@@ -12,11 +12,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerControl
 
-from safe_trainers.guard.events import read_events
-from safe_trainers.guard.skip import route_for
-from safe_trainers.guard.snapshot import Snapshotter
+from safe_trainers.runtime.events import read_events
+from safe_trainers.guard.step.skip import route_for
+from safe_trainers.guard.rollback.memory import HostSnapshot
 from safe_trainers.guard.state import GuardState
-from safe_trainers.guard.trainer_hooks import NanGuardTrainerMixin
+from safe_trainers.trainer.hooks import NanGuardTrainerMixin
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault, FaultInjector, first_trainable_matrix
 
@@ -127,7 +127,7 @@ def test_begin_binds_to_the_optimizer_and_snapshots_the_starting_state(toy_model
     driver.begin()
     guard = driver.guard
     assert guard.backend.optimizer is driver.trainer.optimizer and guard.backend.zero_stage is None
-    assert guard.rollback_from == "memory" and isinstance(guard.snapshotter, Snapshotter)
+    assert guard.rollback_from == "memory" and isinstance(guard.snapshotter, HostSnapshot)
     snap = guard.snapshotter.snapshot
     assert snap.step == 0 and same(snap.params, before)  # the weights training starts from, copied
     assert guard.verified_step == 0 and guard.flags.pending == []

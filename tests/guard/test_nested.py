@@ -1,11 +1,11 @@
-"""`guard/nested.py`: the one walker of nested tensors; a rebuild visits the tensors in the walker's order."""
+"""`runtime/nested.py`: the one walker of nested tensors; a rebuild visits the tensors in the walker's order."""
 
 from __future__ import annotations
 
 import torch
 from transformers import BatchEncoding
 
-from safe_trainers.guard.nested import map_tensors, named_tensors, tensors
+from safe_trainers.runtime.nested import map_tensors, named_tensors, tensors
 
 
 def test_names_follow_the_keys_and_indices_depth_first():

@@ -1,6 +1,6 @@
 """Symbolic links in `output_dir` never redirect a write or a delete outside it: a staging directory that is a link
 is refused (and nothing is deleted through it), the Trainer's own rotation never runs inside the staging directory,
-and the files the run writes under fixed names are never written through a link (`files.py`). Real runs on CPU.
+and the files the run writes under fixed names are never written through a link (`runtime/files.py`). Real runs on CPU.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 from guard_utils import checkpoint_steps
 from transformers import TrainerCallback
 
-from safe_trainers.files import open_append_no_follow, write_text_no_follow
-from safe_trainers.guard.checkpoint_dirs import STAGING_DIR
-from safe_trainers.guard.events import EVENTS_FILE
-from safe_trainers.guard.publishing import recover_staging
-from safe_trainers.restarts.step_record import PROGRESS_FILE
+from safe_trainers.runtime.files import open_append_no_follow, write_text_no_follow
+from safe_trainers.runtime.checkpoint_dirs import STAGING_DIR
+from safe_trainers.runtime.events import EVENTS_FILE
+from safe_trainers.restarts.publishing import recover_staging
+from safe_trainers.restarts.progress import PROGRESS_FILE
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 

@@ -1,4 +1,4 @@
-"""`guard/publishing.py`: a crash at any point of publishing `checkpoint-N` over an older copy leaves a complete copy,
+"""`restarts/publishing.py`: a crash at any point of publishing `checkpoint-N` over an older copy leaves a complete copy,
 which the recovery at the next start keeps and `resume_from_checkpoint=True` resumes from. Real checkpoints of a real
 run; one test kills a real training process between the steps of a publication.
 """
@@ -14,13 +14,13 @@ import sys
 import pytest
 from guard_utils import checkpoint_steps
 
-from safe_trainers.guard.checkpoint_dirs import STAGING_DIR, checkpoint_dir, staging_run_dir
-from safe_trainers.guard.publishing import (
+from safe_trainers.runtime.checkpoint_dirs import STAGING_DIR, checkpoint_dir, staging_run_dir
+from safe_trainers.restarts.publishing import (
     PUBLISH_STEPS, Found, Publication, publish, recover_staging, recovery_actions,
 )  # fmt: skip
 from safe_trainers.restarts.checkpoint_choice import checkpoint_problem, choose_checkpoint
 from safe_trainers.restarts.resume_plan import this_launchs
-from safe_trainers.restarts.step_record import read_progress
+from safe_trainers.restarts.progress import read_progress
 from safe_trainers.testing.build import build_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,7 +103,7 @@ def test_publish_replaces_an_older_copy_and_leaves_nothing_behind(tmp_path):
 
 KILL_SCRIPT = r"""
 import os, sys
-from safe_trainers.guard import publishing
+from safe_trainers.restarts import publishing
 from safe_trainers.testing.build import build_trainer
 
 out = {out!r}
@@ -154,7 +154,7 @@ def test_a_sealed_copy_damaged_since_never_replaces_a_complete_one(finished_run,
 
 RECORD_SCRIPT = r"""
 import os
-from safe_trainers.guard import trainer_hooks
+from safe_trainers.trainer import hooks as trainer_hooks
 from safe_trainers.testing.build import build_trainer
 
 def die(*args, **kwargs):

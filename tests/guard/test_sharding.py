@@ -1,4 +1,4 @@
-"""`guard/sharding.py`: plain tensors pass through; a `DTensor` (FSDP2's parameters and moments) is read and written
+"""`runtime/sharding.py`: plain tensors pass through; a `DTensor` (FSDP2's parameters and moments) is read and written
 through this rank's shard, and a host copy is placed back like its template, with no collective."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from net_utils import free_port
 
-from safe_trainers.guard.sharding import is_sharded, like, local, replicated, reshard
+from safe_trainers.runtime.sharding import is_sharded, like, local, replicated, reshard
 
 
 def test_plain_tensors_pass_through_and_copies_land_on_the_templates_device():

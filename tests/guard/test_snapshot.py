@@ -1,4 +1,4 @@
-"""`Snapshotter` (`guard/snapshot.py`, a `RollbackSource`): a restore puts back the weights, the optimizer's moments
+"""`HostSnapshot` (`guard/rollback/memory.py`, a `RollbackSource`): a restore puts back the weights, the optimizer's moments
 and step counters and the best-model fields of the step the snapshot was taken at; the learning rate stays as the
 schedule left it; frozen parameters are never copied."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from safe_trainers.guard.backends import Backend
-from safe_trainers.guard.disk_snapshot import CheckpointSnapshotter
-from safe_trainers.guard.events import EventLog
-from safe_trainers.guard.good_state import RollbackSource, kept_hyperparameters
-from safe_trainers.guard.snapshot import Snapshotter
+from safe_trainers.guard.rollback.checkpoint import CheckpointSource
+from safe_trainers.runtime.events import EventLog
+from safe_trainers.guard.rollback.source import RollbackSource, kept_hyperparameters
+from safe_trainers.guard.rollback.memory import HostSnapshot
 
 
 def model_and_optimizer():
@@ -39,7 +39,7 @@ def state_of(model, optimizer):
 def test_a_restore_puts_back_weights_moments_and_best_fields_but_not_the_learning_rate():
     model, optimizer = model_and_optimizer()
     train_step(model, optimizer)
-    snapshotter = Snapshotter(model, Backend(optimizer, zero_stage=None, loss_scaled=False))
+    snapshotter = HostSnapshot(model, Backend(optimizer, zero_stage=None, loss_scaled=False))
     assert isinstance(snapshotter, RollbackSource)
     best = dict(best_metric=0.5, best_global_step=1, best_model_checkpoint="checkpoint-1")
     trainer_state = types.SimpleNamespace(global_step=1, **best)
@@ -62,7 +62,7 @@ def test_a_restore_puts_back_weights_moments_and_best_fields_but_not_the_learnin
 
 def test_a_snapshot_before_the_first_step_restores_an_empty_optimizer_state():
     model, optimizer = model_and_optimizer()
-    snapshotter = Snapshotter(model, Backend(optimizer, zero_stage=None, loss_scaled=False))
+    snapshotter = HostSnapshot(model, Backend(optimizer, zero_stage=None, loss_scaled=False))
     snapshotter.take(types.SimpleNamespace(global_step=0))
     train_step(model, optimizer)
     assert optimizer.state
@@ -73,14 +73,14 @@ def test_a_snapshot_before_the_first_step_restores_an_empty_optimizer_state():
 def test_nothing_to_restore_before_a_snapshot_is_taken():
     model, optimizer = model_and_optimizer()
     with pytest.raises(RuntimeError, match="has not taken a snapshot yet"):
-        Snapshotter(model, Backend(optimizer, None, False)).restore(types.SimpleNamespace(global_step=0))
+        HostSnapshot(model, Backend(optimizer, None, False)).restore(types.SimpleNamespace(global_step=0))
 
 
 def test_both_sources_of_the_last_good_state_are_rollback_sources(tmp_path):
     model, optimizer = model_and_optimizer()
     backend = Backend(optimizer, zero_stage=None, loss_scaled=False)
-    on_disk = CheckpointSnapshotter(None, backend, EventLog(str(tmp_path), write=False), lambda: None)
-    for source in (Snapshotter(model, backend), on_disk):
+    on_disk = CheckpointSource(None, backend, EventLog(str(tmp_path), write=False), str(tmp_path))
+    for source in (HostSnapshot(model, backend), on_disk):
         assert isinstance(source, RollbackSource) and source.backend is backend
 
 

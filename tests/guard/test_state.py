@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from safe_trainers.guard.spikes import SpikeSettings, SpikeWindow
+from safe_trainers.guard.step.spikes import SpikeSettings, SpikeWindow
 from safe_trainers.guard.state import GUARD_STATE_FILE, GuardState
 
 SETTINGS = SpikeSettings(6.0, window=8, warmup=4)

@@ -1,5 +1,5 @@
-"""`guard/step_flags.py` on its own: how each step's losses and gradient norm become the device flags and the
-[`StepRecord`]s read back at an inspection, and how the skip flag reaches a real optimizer through accelerate's
+"""`guard/step/flags.py` on its own: how each step's losses and gradient norm become the device flags and the
+[`StepReading`]s read back at an inspection, and how the skip flag reaches a real optimizer through accelerate's
 wrapper (single process: the collectives are the identity)."""
 
 import math
@@ -9,8 +9,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from safe_trainers.guard.policy import StepRecord
-from safe_trainers.guard.step_flags import StepFlags
+from safe_trainers.guard.policy import StepReading
+from safe_trainers.guard.step.flags import StepFlags
 
 CPU = torch.device("cpu")
 NAN = float("nan")
@@ -29,7 +29,7 @@ def test_healthy_and_faulted_steps_read_back_in_one_list():
     assert close(flags, 3, [1.0], torch.tensor(float("inf"))) is True
     records = flags.read()
     assert flags.pending == [] and flags.read() == []
-    assert records[0] == StepRecord(1, 3.0, 0.5, False, (), False, False, 3.0)  # the loss is the micro-batches' sum
+    assert records[0] == StepReading(1, 3.0, 0.5, False, (), False, False, 3.0)  # the loss is the micro-batches' sum
     assert records[1].judged_loss == 0.0  # a non-finite loss is a fault, judged as 0 by the spike detector
     assert records[1].bad and records[1].bad_ranks == (0,)  # a non-finite loss names its rank
     assert records[2].bad and records[2].bad_ranks == ()  # only the gradient was non-finite

@@ -1,4 +1,4 @@
-"""Never silently unguarded (`safe_trainers/guard/hooks_ran.py`): a trainer whose hook of the guard does not run stops
+"""Never silently unguarded (`safe_trainers/trainer/hooks_ran.py`): a trainer whose hook of the guard does not run stops
 with `UpstreamHookError` as soon as the hook should have run, naming the hook, the installed versions and the
 supported ranges; the six trainers pass the check, which is on whenever the guard is.
 
@@ -14,7 +14,7 @@ from hook_utils import bypassing
 from transformers.trainer_callback import CallbackHandler
 
 from safe_trainers.errors import UpstreamHookError
-from safe_trainers.guard.hooks_ran import CHECKED, hook_error_message, unran_hooks
+from safe_trainers.trainer.hooks_ran import CHECKED, hook_error_message, unran_hooks
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainers import trainer_class
 from safe_trainers.upstream.versions import installed_versions, supported_ranges, versions_note
@@ -136,8 +136,8 @@ def test_a_resume_that_bypasses_the_guard_stops_before_its_first_update(toy_mode
     assert not unchanged(resumed, before)  # the checkpoint's weights were loaded; no update after them
     healthy = build("sft", toy_models, tmp_path)  # the safe trainer resumes through the hook, and passes
     healthy.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert healthy.state.global_step == 3 and "_load_optimizer_and_scheduler" in healthy.hooks_ran.steps
-    assert healthy.hooks_ran.checked == ALL_CHECKS - {"save"}
+    assert healthy.state.global_step == 3 and "_load_optimizer_and_scheduler" in healthy.safe_run.hooks_ran.steps
+    assert healthy.safe_run.hooks_ran.checked == ALL_CHECKS - {"save"}
 
 
 def stopped_resuming(trainer, checkpoint: str) -> UpstreamHookError:
@@ -150,7 +150,7 @@ def stopped_resuming(trainer, checkpoint: str) -> UpstreamHookError:
 def test_the_check_runs_and_passes_on_all_six_trainers(toy_models, tmp_path, kind):
     trainer = build(kind, toy_models, tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
     trainer.train()
-    assert trainer.hooks_ran.checked == ALL_CHECKS  # on by default, every check made and passed
+    assert trainer.safe_run.hooks_ran.checked == ALL_CHECKS  # on by default, every check made and passed
     assert trainer.state.global_step == 2
 
 

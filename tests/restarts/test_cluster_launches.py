@@ -20,9 +20,9 @@ from test_crash_restarts import assert_uninterrupted_batches, launch_restarting
 
 from safe_trainers.guard import read_events
 from safe_trainers.restarts.completeness import incomplete_file
-from safe_trainers.restarts.launch import agent_identity, agent_run_dir, find_agent, launch_agents, same_launch
+from safe_trainers.restarts.agents import agent_identity, agent_run_dir, find_agent, launch_agents, same_launch
 from safe_trainers.restarts.rotation import rotation_victims
-from safe_trainers.restarts.step_record import read_progress
+from safe_trainers.restarts.progress import read_progress
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainers import trainer_class
 

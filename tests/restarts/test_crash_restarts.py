@@ -20,7 +20,7 @@ from net_utils import EXIT_RACE
 from safetensors.torch import load_file, save_file
 
 from safe_trainers.guard import read_events
-from safe_trainers.restarts.step_record import (
+from safe_trainers.restarts.progress import (
     Death, History, Poisoned, Progress, ProgressWriter, inherit, poison, read_progress,
 )  # fmt: skip
 from safe_trainers.restarts.resume_plan import NOT_THIS_LAUNCHS, plan_resume, this_launchs

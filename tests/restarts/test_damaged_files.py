@@ -19,7 +19,7 @@ import torch
 
 from safe_trainers.guard import read_events
 from safe_trainers.restarts.checkpoint_choice import choose_checkpoint
-from safe_trainers.restarts.step_record import read_progress
+from safe_trainers.restarts.progress import read_progress
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainers import trainer_class
 

@@ -25,7 +25,7 @@ from safe_trainers.configs import config_class
 from safe_trainers.guard import read_events
 from safe_trainers.restarts.compile_peers import RECHECK, PeerCompiles
 from safe_trainers.restarts.hang_report import HUNG_EXIT_CODE, hang_exits, stacks_path
-from safe_trainers.restarts.step_record import PROGRESS_FILE, History, ProgressWriter, inherit, read_progress
+from safe_trainers.restarts.progress import PROGRESS_FILE, History, ProgressWriter, inherit, read_progress
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.toy import save_toy_model
 from safe_trainers.trainers import trainer_class
@@ -121,7 +121,7 @@ def test_a_step_that_compiles_past_the_bound_finishes(toy_models, tmp_path, no_a
     assert read_progress(out).phase == "finished"
     from torch._dynamo.callback import callback_handler
 
-    assert trainer.compile_watch._began not in callback_handler.start_callbacks  # removed when `train()` ended
+    assert trainer.safe_run.compile_watch._began not in callback_handler.start_callbacks  # removed when `train()` ended
 
 
 class ResetsDynamo(TrainerCallback):
@@ -209,7 +209,7 @@ def test_a_hang_without_an_agent_is_reported_and_the_process_goes_on(toy_models,
     hangs = [e for e in read_events(out) if e["kind"] == "hang"]
     assert [(e["step"], e["exited"], e["ranks"]) for e in hangs] == [(3, False, [0])]
     assert "The process goes on" in caplog.text
-    assert trainer.hang_watchdog.timed == 3  # steps 2, 4, 5: the hung step is not learned from
+    assert trainer.safe_run.watchdog.timed == 3  # steps 2, 4, 5: the hung step is not learned from
 
 
 def test_a_hang_with_the_exit_asked_for_ends_the_process_with_status_124(tmp_path):

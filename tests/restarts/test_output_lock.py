@@ -21,10 +21,10 @@ from test_crash_restarts import REPO, WORKER
 
 from safe_trainers.errors import OutputDirInUseError
 from safe_trainers.guard import read_events
-from safe_trainers.guard.checkpoint_dirs import STAGING_DIR
+from safe_trainers.runtime.checkpoint_dirs import STAGING_DIR
 from safe_trainers.restarts.checkpoint_choice import checkpoint_problem
 from safe_trainers.restarts.output_lock import LOCK_FILE, Holder, decide, read_holder
-from safe_trainers.restarts.step_record import PROGRESS_FILE, read_progress
+from safe_trainers.restarts.progress import PROGRESS_FILE, read_progress
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.toy import save_toy_model
 

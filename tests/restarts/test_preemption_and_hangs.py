@@ -82,7 +82,7 @@ def test_grpo_learns_its_hang_bound_from_a_step_that_generates(toy_models, tmp_p
     # are far faster. A bound learned from them alone (120 s) killed step 5's legitimate 130 s generation (or reward
     # call) with status 124, though `hang_timeout` was 900. The bound is learned once a generating step was timed.
     trainer = build_trainer("grpo", toy_models["qwen2"], tmp_path, preset="guarded", num_iterations=4, bf16=False)
-    dog = trainer.hang_watchdog
+    dog = trainer.safe_run.watchdog
     clock = iter([0.0, 60.0, 100.0, 101.0, 200.0, 201.0, 300.0, 301.0, 400.0, 530.0])
     dog.clock = lambda: next(clock)
 
@@ -99,7 +99,7 @@ def test_grpo_learns_its_hang_bound_from_a_step_that_generates(toy_models, tmp_p
     dog.on_step_end(None, State, None)  # 130 s, timed
     assert dog.bound() == 900  # learned from a generating step: 10 x 130 s, capped
     plain = build_trainer("grpo", toy_models["qwen2"], tmp_path / "plain", preset="guarded", bf16=False)
-    assert plain.hang_watchdog.learn_after == 2  # generating at every step: the usual two steps
+    assert plain.safe_run.watchdog.learn_after == 2  # generating at every step: the usual two steps
 
 
 def test_the_abort_checkpoint_is_not_timed_as_part_of_the_step(toy_models, tmp_path):
@@ -110,7 +110,7 @@ def test_the_abort_checkpoint_is_not_timed_as_part_of_the_step(toy_models, tmp_p
         timed_saves: list = []
 
         def _save_checkpoint(self, model, trial):
-            self.timed_saves.append((self.state.global_step, self.hang_watchdog._began is not None))
+            self.timed_saves.append((self.state.global_step, self.safe_run.watchdog._began is not None))
             return super()._save_checkpoint(model, trial)
 
     fault = Fault(step=3, kind="loss", repeat=1000)
@@ -198,7 +198,7 @@ def test_handlers_are_left_alone_without_the_guard_or_with_no_signals(toy_models
         watcher = _SignalAt(99, signal.SIGTERM)
         trainer.add_callback(watcher)
         trainer.train()
-        assert watcher.handlers == [signal.SIG_DFL] * 2 and trainer.preemption is None
+        assert watcher.handlers == [signal.SIG_DFL] * 2 and trainer.safe_run.preemption is None
 
 
 # ---------------------------------------------------------------------------------------------------- under torchrun

@@ -13,10 +13,10 @@ from guard_utils import recording
 from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
-from safe_trainers.restarts.step_record import Death, History, ProgressWriter, data_identity, read_progress
-from safe_trainers.restarts.launch import TrainCalls, agent_identity, launch_agents
+from safe_trainers.restarts.progress import Death, History, ProgressWriter, data_identity, read_progress
+from safe_trainers.restarts.agents import TrainCalls, agent_identity, launch_agents
 from safe_trainers.restarts.resume_plan import NOT_THIS_LAUNCHS
-from safe_trainers.restarts.record_callback import can_leave_out_a_step
+from safe_trainers.trainer.run import can_leave_out_a_step
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainers import trainer_class
 

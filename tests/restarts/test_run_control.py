@@ -1,4 +1,4 @@
-"""`restarts/run_control.py` on its own: where the preemption callback and the hang watchdog go in a guarded trainer's
+"""`trainer/run_control.py` on its own: where the preemption callback and the hang watchdog go in a guarded trainer's
 callback list (and that neither comes without the guard), when `after_boundary` exits, what `after_train` puts back,
 and what `preempted_at_end` does after a run that finished although a preemption was asked for."""
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 from transformers.trainer_callback import DefaultFlowCallback
 
-from safe_trainers.guard.callback import NanGuardCallback
+from safe_trainers.trainer.callbacks import NanGuardCallback
 from safe_trainers.restarts.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback
-from safe_trainers.restarts.record_callback import StepProgressCallback
-from safe_trainers.restarts.run_control import after_boundary, after_train, attach_run_control, preempted_at_end
+from safe_trainers.restarts.progress_callback import StepProgressCallback
+from safe_trainers.trainer.run_control import after_boundary, after_train, attach_run_control, preempted_at_end
 from safe_trainers.restarts.watchdog import UNWATCHED, HangWatchdog
 from safe_trainers.testing.build import build_trainer
 
@@ -44,7 +44,7 @@ def test_attach_puts_preemption_right_after_the_flow_and_the_watchdog_right_afte
     trainer = build(toy_models, tmp_path, preempt_signals=[], hang_timeout=0)
     guard = trainer.nan_guard
     assert index(trainer, PreemptionCallback) == index(trainer, HangWatchdog) == -1
-    assert trainer.preemption is guard.preemption is None and guard.watchdog is UNWATCHED
+    assert trainer.safe_run.preemption is guard.preemption is None and guard.watchdog is UNWATCHED
 
     settings = SimpleNamespace(
         preempt_signals=["usr1", "SIGTERM"], hang_timeout=30.0, hang_timeout_factor=5.0, hang_action="auto"
@@ -52,10 +52,10 @@ def test_attach_puts_preemption_right_after_the_flow_and_the_watchdog_right_afte
     attach_run_control(trainer, settings)
     callbacks = trainer.callback_handler.callbacks
     preemption = callbacks[index(trainer, DefaultFlowCallback) + 1]
-    assert isinstance(preemption, PreemptionCallback) and preemption is trainer.preemption is guard.preemption
+    assert isinstance(preemption, PreemptionCallback) and preemption is trainer.safe_run.preemption is guard.preemption
     assert preemption.signals == (signal.SIGUSR1, signal.SIGTERM) and preemption.guard is guard
     watchdog = callbacks[index(trainer, NanGuardCallback) + 1]
-    assert isinstance(watchdog, HangWatchdog) and watchdog is trainer.hang_watchdog is guard.watchdog
+    assert isinstance(watchdog, HangWatchdog) and watchdog is trainer.safe_run.watchdog is guard.watchdog
     assert (watchdog.output_dir, watchdog.rank, watchdog.ceiling, watchdog.factor) == (
         trainer.args.output_dir, 0, 30.0, 5.0,
     )  # fmt: skip
@@ -83,7 +83,7 @@ def test_neither_is_attached_without_the_guard(toy_models, tmp_path):
     # The defaults ask for both (SIGTERM and SIGUSR1, a 900 s ceiling); with `nan_guard=False` neither comes.
     trainer = build(toy_models, tmp_path, nan_guard=False)
     assert index(trainer, PreemptionCallback) == index(trainer, HangWatchdog) == index(trainer, NanGuardCallback) == -1
-    assert trainer.preemption is None and trainer.hang_watchdog is None
+    assert trainer.safe_run.preemption is None and trainer.safe_run.watchdog is None
     after_train(trainer)  # nothing to put back
     after_boundary(trainer)
     assert preempted_at_end(trainer) is None
@@ -92,7 +92,7 @@ def test_neither_is_attached_without_the_guard(toy_models, tmp_path):
 # ---------------------------------------------------------------------------------------------------- after_boundary
 def test_after_boundary_exits_only_at_the_stopping_step_before_the_last(toy_models, tmp_path):
     trainer = build(toy_models, tmp_path, preempt_signals=["SIGUSR1"])  # `max_steps=10`
-    preemption, state = trainer.preemption, trainer.state
+    preemption, state = trainer.safe_run.preemption, trainer.state
     state.global_step, state.max_steps = 3, 10
     after_boundary(trainer)  # no signal: nothing
     received(preemption)
@@ -121,15 +121,15 @@ def test_after_boundary_does_nothing_without_preemption(toy_models, tmp_path):
 def test_after_train_puts_the_handlers_back_and_stops_the_watchdog(toy_models, tmp_path):
     trainer = build(toy_models, tmp_path, preempt_signals=["SIGUSR1"], hang_timeout=900.0)
     before = signal.getsignal(signal.SIGUSR1)
-    trainer.preemption.install()
-    trainer.hang_watchdog.start()
-    thread = trainer.hang_watchdog._thread
+    trainer.safe_run.preemption.install()
+    trainer.safe_run.watchdog.start()
+    thread = trainer.safe_run.watchdog._thread
     try:
-        assert signal.getsignal(signal.SIGUSR1) == trainer.preemption._handle and thread.is_alive()
+        assert signal.getsignal(signal.SIGUSR1) == trainer.safe_run.preemption._handle and thread.is_alive()
     finally:
         after_train(trainer)
     assert signal.getsignal(signal.SIGUSR1) == before
-    assert not thread.is_alive() and trainer.hang_watchdog._thread is None
+    assert not thread.is_alive() and trainer.safe_run.watchdog._thread is None
 
 
 # ---------------------------------------------------------------------------------------------------- preempted_at_end
@@ -148,7 +148,7 @@ def test_no_preemption_asked_no_exit(finished, tmp_path):
 
 
 def test_a_signal_after_the_last_step_publishes_it_once_and_exits_preempted(finished, tmp_path):
-    received(finished.preemption)
+    received(finished.safe_run.preemption)
     exit_ = preempted_at_end(finished)
     assert isinstance(exit_, Preempted) and (exit_.code, exit_.step, exit_.signal) == (75, 2, "SIGUSR1")
     checkpoint = tmp_path / "out" / "checkpoint-2"
@@ -162,13 +162,13 @@ def test_a_signal_after_the_last_step_publishes_it_once_and_exits_preempted(fini
 
 
 def test_a_stop_agreed_for_another_ranks_signal_exits_too(finished, tmp_path):
-    finished.preemption.stopping_at = 2  # the agreed bit came from another rank: this one received nothing
+    finished.safe_run.preemption.stopping_at = 2  # the agreed bit came from another rank: this one received nothing
     exit_ = preempted_at_end(finished)
     assert exit_.signal == "a signal on another rank" and os.path.isdir(tmp_path / "out" / "checkpoint-2")
 
 
 def test_a_call_resumed_from_the_final_checkpoint_does_not_save_it_again(finished, tmp_path):
     finished.nan_guard.resumed_from = str(tmp_path / "elsewhere" / "checkpoint-2")  # trained nothing: it holds step 2
-    received(finished.preemption)
+    received(finished.safe_run.preemption)
     assert isinstance(preempted_at_end(finished), Preempted)
     assert not os.path.isdir(tmp_path / "out" / "checkpoint-2")

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from safe_trainers.guard import read_events
 from safe_trainers.restarts.preemption import PREEMPTED_EXIT_CODE, Preempted
-from safe_trainers.restarts.step_record import read_progress
+from safe_trainers.restarts.progress import read_progress
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 from safe_trainers.trainers import trainer_class
@@ -67,7 +67,7 @@ class _Bounds(TrainerCallback):
         self.trainer, self.seen = trainer, []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.seen.append(self.trainer.hang_watchdog.bound())
+        self.seen.append(self.trainer.safe_run.watchdog.bound())
 
 
 def test_each_train_call_learns_its_own_hang_bound(toy_models, tmp_path):
@@ -77,7 +77,7 @@ def test_each_train_call_learns_its_own_hang_bound(toy_models, tmp_path):
     bounds = _Bounds(trainer)
     trainer.add_callback(bounds)
     trainer.train()
-    ceiling = trainer.hang_watchdog.ceiling
+    ceiling = trainer.safe_run.watchdog.ceiling
     assert bounds.seen[:3] == [ceiling] * 3 and bounds.seen[3] < ceiling  # learned after steps 2 and 3
     bounds.seen.clear()
     trainer.args.max_steps = 8
@@ -93,8 +93,8 @@ def test_the_diagnosis_replay_is_not_timed_as_part_of_the_step(toy_models, tmp_p
         replays: ClassVar[list[bool]] = []
 
         def compute_loss(self, model, inputs, *args, **kwargs):
-            if self.nan_guard.replaying:
-                self.replays.append(self.hang_watchdog._began is not None)
+            if self.safe_run.hooks.replaying:
+                self.replays.append(self.safe_run.watchdog._began is not None)
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     trainer = build_trainer(
@@ -156,7 +156,7 @@ def test_the_guards_verification_before_a_save_or_evaluation_is_timed(toy_models
     check = guard.state_is_finite
 
     def recording_check():
-        timed.append((trainer.state.global_step, trainer.hang_watchdog._began is not None))
+        timed.append((trainer.state.global_step, trainer.safe_run.watchdog._began is not None))
         return check()
 
     guard.state_is_finite = recording_check  # this guard instance only: records, then checks as before

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from safe_trainers.restarts.step_record import (
+from safe_trainers.restarts.progress import (
     PROGRESS_FILE, Death, History, Poisoned, Progress, ProgressWriter, read_progress,
 )  # fmt: skip
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from safe_trainers.guard import localize
+from safe_trainers.trainer import replay
 from safe_trainers.upstream import TOUCHPOINTS, Touchpoint
 from safe_trainers.upstream.doc import render_markdown
 from safe_trainers.upstream.names import import_error_message, missing_names, require_upstream_names, resolve_owner
@@ -100,7 +100,7 @@ def private_names(text: str) -> tuple[set[str], set[str], set[str]]:
 
 
 def test_every_private_upstream_name_the_package_touches_has_a_row():
-    used, declared, overridden = set(localize._REPLAY_SENSITIVE), set(), set()
+    used, declared, overridden = set(replay._REPLAY_SENSITIVE), set(), set()
     for path in PACKAGE.rglob("*.py"):
         module_used, module_declared, module_overridden = private_names(path.read_text())
         used |= module_used

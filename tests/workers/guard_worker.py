@@ -30,7 +30,7 @@ import safe_trainers as st  # noqa: E402
 from guard_utils import recording  # noqa: E402
 from hook_utils import bypassing  # noqa: E402
 from safe_trainers.errors import UpstreamHookError  # noqa: E402
-from safe_trainers.guard.sharding import replicated  # noqa: E402
+from safe_trainers.runtime.sharding import replicated  # noqa: E402
 from safe_trainers.testing.build import build_trainer  # noqa: E402
 from safe_trainers.testing.faults import Fault  # noqa: E402
 from safe_trainers.kinds import TRAINER_KINDS  # noqa: E402

@@ -125,7 +125,7 @@ class KillingDPOTrainer(trainer_class("dpo")):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if model.training and not self.nan_guard.replaying:  # not the guard's diagnostic replay of a NaN step
+        if model.training and not self.safe_run.hooks.replaying:  # not the guard's diagnostic replay of a NaN step
             self._log("fed", inputs)
             step = self.state.global_step + 1
             if step in self.kill_steps:

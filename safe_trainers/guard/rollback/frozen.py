@@ -19,9 +19,9 @@ from collections.abc import Container, Iterable, Iterator
 
 import torch
 
-from ..errors import TrainingDivergedError
-from .finite import CHUNK_BYTES, all_finite
-from .sharding import local
+from ...errors import TrainingDivergedError
+from ...runtime.finite import CHUNK_BYTES, all_finite
+from ...runtime.sharding import local
 
 logger = logging.getLogger("safe_trainers")
 

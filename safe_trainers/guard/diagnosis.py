@@ -1,20 +1,18 @@
 """Diagnosis of a fault: keep host copies of the recent micro-batches, replay them with forward hooks, and name the
-first module whose output went non-finite."""
+first module whose output went non-finite. The guard keeps the batches and hands those of a faulted step back
+([`Judged.replay`]); the integration layer replays them through the trainer's own loss (`trainer/replay.py`) with
+[`localize`]."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .finite import any_nonfinite
-from .collectives import distributed
-from .host_buffers import HostArena
-from .nested import map_tensors, tensors
-from .sharding import reshard
+from ..runtime.finite import any_nonfinite
+from ..runtime.host_buffers import HostArena
+from ..runtime.nested import map_tensors, tensors
 
 
 class RecentBatches:
@@ -113,32 +111,3 @@ def localize(model: torch.nn.Module, micro_batches: list[Any], replay: Callable[
         "gradients were not",
         "micro_batches": len(micro_batches),
     }
-
-
-def diagnose(trainer: Any, batches: list[Any], step: int | None) -> dict[str, Any]:
-    """Replay one step's micro-batches through `trainer.compute_loss` on every rank ([`localize`]) and return the
-    finding of the rank where the forward pass went non-finite. The replay is not training: what TRL's
-    `compute_loss` records besides the loss (per-step metrics, token counters) is put back afterwards."""
-    model = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
-    saved = {n: copy.deepcopy(getattr(trainer, n)) for n in _REPLAY_SENSITIVE if hasattr(trainer, n)}
-    try:
-        result = localize(trainer.model, batches, lambda b: trainer.compute_loss(model, b), trainer.args.device)
-    finally:
-        for name, value in saved.items():
-            setattr(trainer, name, value)
-        reshard(trainer.model)  # FSDP2: a forward without backward leaves the root's parameters gathered
-    result["rank"] = trainer.args.process_index
-    if distributed():
-        results: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(results, result)
-        with_batch = next((r for r in results if "micro_batch" in r), results[0])
-        result = next((r for r in results if r.get("module")), with_batch)
-    result["step"] = step
-    return result
-
-
-# What TRL's `compute_loss` changes besides the loss, put back after a replay (docs/design/upstream.md): the logged
-# metrics and token count of every trainer, and GRPO's adaptive entropy controller (TRL 1.8+: it steps on each loss
-# computed at an optimizer-step boundary, so a replay would move the coefficient of the next steps). The completion
-# table (`_logs`, once `_textual_logs`) is written by generation only, which a replay does not run.
-_REPLAY_SENSITIVE = ("_metrics", "_total_train_tokens", "entropy_coef", "_last_world_entropy", "_entropy_window_stats")

@@ -7,21 +7,17 @@ import inspect
 import logging
 from typing import Any, ClassVar
 
-from transformers.trainer_callback import DefaultFlowCallback
-
-from .arguments import SafetyArguments
-from .configs import config_class
-from .guard import NanGuard, NanGuardCallback
-from .guard.hooks_ran import HookCheckCallback, HooksRan
-from .guard.trainer_hooks import HookState, NanGuardTrainerMixin
-from .restarts.preemption import refuse_jit_checkpoint
-from .restarts.record_callback import StepProgressCallback
-from .restarts.run_control import attach_run_control
-from .kinds import get_kind
-from .rules.report import SafetyReport
-from .rules.context import TrainerSetup, build_setup
-from .rules.engine import select_rules
-from .rules.stages import run_built_rules, run_setup_rules
+from ..arguments import SafetyArguments
+from ..configs import config_class
+from ..guard.nan_guard import NanGuard
+from ..kinds import get_kind
+from ..restarts.preemption import refuse_jit_checkpoint
+from ..rules.context import TrainerSetup, build_setup
+from ..rules.engine import select_rules
+from ..rules.report import SafetyReport
+from ..rules.stages import run_built_rules, run_setup_rules
+from .hooks import NanGuardTrainerMixin
+from .run import SafeRun, build_run, install_callbacks
 
 
 logger = logging.getLogger("safe_trainers")
@@ -86,8 +82,9 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         if "peft_config" in arguments or setup.peft_config is not None:
             arguments["peft_config"] = setup.peft_config
 
-        # Set before TRL's constructor runs, since the guard hooks read it.
+        # Set before TRL's constructor runs, since the Trainer hooks read them.
         self.nan_guard: NanGuard | None = None
+        self.safe_run = SafeRun()
         super().__init__(**arguments)
 
         self.safety_settings = settings
@@ -95,21 +92,11 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
         run_built_rules(self, settings, report, source_rows)
         self._publish_safety_report(settings)
         if settings.nan_guard:
-            self.nan_guard = NanGuard(self, settings)
-            self.guard_hooks = HookState()  # what the guard's trainer hooks carry between calls (`trainer_hooks.py`)
-            # Right after the flow callback (which decides whether this step logs, evaluates or saves) and before
-            # every other: TRL's reference-model sync and the reporting integrations must see a verified state.
-            callbacks = self.callback_handler.callbacks
-            flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
-            callbacks.insert(flow + 1, NanGuardCallback(self.nan_guard))
-            # Before the guard's: a step is over (for the step record) before the guard inspects, snapshots or
-            # rolls back, so a death there is never blamed on the step's data.
-            self.step_progress = StepProgressCallback(self.nan_guard)
-            callbacks.insert(flow + 1, self.step_progress)
-            attach_run_control(self, settings)  # preemption and hang detection (see `restarts/run_control.py`)
-            # First of all: the upstream hooks the guard depends on ran, or the run stops (`guard/hooks_ran.py`).
-            self.hooks_ran = HooksRan()
-            callbacks.insert(flow + 1, HookCheckCallback(self))
+            # The guard, its event log, the step record, preemption and the watchdog, with their callbacks right
+            # after the flow callback, in their priority order (`run.py`).
+            self.safe_run = build_run(self, settings)
+            self.nan_guard = self.safe_run.guard
+            install_callbacks(self, self.safe_run)
 
     def _build_setup(self, arguments: dict[str, Any]) -> TrainerSetup:
         model = arguments.get("model")

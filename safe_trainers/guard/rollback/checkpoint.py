@@ -3,7 +3,8 @@
 For runs whose weights and optimizer state do not fit in host memory next to training (large full fine-tunes),
 `nan_rollback_from="checkpoint"` keeps no snapshot in memory. A rollback then loads the weights and optimizer state
 of the newest checkpoint this run published or resumed from (every checkpoint is verified finite before it is
-published, see `trainer_hooks.py`), through the Trainer's own resume code, so every backend that resumes (single
+published, see `trainer_hooks.py`), through the Trainer's own resume code (the integration layer loads it,
+`trainer/checkpoint_rollback.py`: this module chooses it and keeps the books), so every backend that resumes (single
 process, DDP, DeepSpeed ZeRO, FSDP2, PEFT adapters) rolls back the same way. An earlier run's checkpoints left in the
 same `output_dir` are never used. The contract is the in-memory one (weights and optimizer state come back, with the
 best-model fields of that checkpoint; `global_step`, the data position, the LR schedule and the RNG streams go on; a
@@ -16,51 +17,47 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from typing import Any
 
-from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+import torch
 from transformers.trainer import TRAINER_STATE_NAME
 
-from ..errors import TrainingDivergedError
-from .backends import Backend
-from .checkpoint_dirs import checkpoint_step
-from .events import EventLog, NanEvent
+from ...errors import TrainingDivergedError
+from ...runtime.checkpoint_dirs import checkpoint_step
+from ...runtime.events import EventLog, RunEvent
+from ..backends import Backend
 from .frozen import repair_frozen
-from .good_state import BEST_MODEL_FIELDS, Snapshot, kept_hyperparameters
+from .source import BEST_MODEL_FIELDS, Snapshot
 
 
-class CheckpointSnapshotter:
-    """Takes no copy; restores the newest checkpoint of this run's timeline (a [`RollbackSource`], like
-    [`Snapshotter`]).
+class CheckpointSource:
+    """Takes no copy; names the newest checkpoint of this run's timeline for the caller to load, and keeps the books
+    of a restore from it (a [`RollbackSource`], like [`HostSnapshot`]).
 
     Only checkpoints this run published, and the checkpoint it resumed from, are good states: an earlier run's
     checkpoints left in the same `output_dir` never are.
 
     Args:
-        trainer (`transformers.Trainer`): the trainer whose checkpoints are the good states, and whose own resume code
-            loads them.
+        model (`torch.nn.Module`): the unwrapped model (a damaged frozen parameter is repaired from the checkpoints).
         backend ([`Backend`]): what the guard bound to: the optimizer it checks (torch's, or DeepSpeed's ZeRO
             optimizer) and the ZeRO stage.
-        events ([`EventLog`]): the guard's event log (an `abort` event when no good state is left).
-        save_starting_checkpoint (`Callable[[], None]`): publishes the state training starts from as a checkpoint
-            (and calls [`published`] with it), for a run that has none yet.
+        events ([`EventLog`]): the run's event log (an `abort` event when no good state is left).
+        output_dir (`str`): where the run publishes (named when no good state is left).
         resumed_from (`str | None`): the checkpoint `train()` resumed from, if any.
     """
 
     def __init__(
         self,
-        trainer: Any,
+        model: torch.nn.Module,
         backend: Backend,
         events: EventLog,
-        save_starting_checkpoint: Callable[[], None],
+        output_dir: Any,
         resumed_from: str | None = None,
     ):
-        self.trainer = trainer
+        self.model = model
         self.backend = backend
-        self.optimizer = backend.optimizer
         self.events = events
-        self.save_starting_checkpoint = save_starting_checkpoint
+        self.output_dir = output_dir
         self.snapshot = Snapshot()
         self.good: list[str] = []
         if resumed_from is not None and os.path.isdir(resumed_from):
@@ -81,53 +78,40 @@ class CheckpointSnapshotter:
         return max(found, key=lambda p: checkpoint_step(p) or 0) if found else None
 
     def take(self, state: Any) -> Snapshot:
-        """Record that the state of this step is good; at the first call of a run with no good checkpoint at or
-        before this step, publish one (the only good state there is to go back to)."""
-        if self.newest_good(state.global_step) is None:
-            self.save_starting_checkpoint()  # calls `published`
+        """Record that the state of this step is good (published as a checkpoint when [`needs_checkpoint`])."""
         self.snapshot.step = state.global_step
         return self.snapshot
+
+    def needs_checkpoint(self, step: int) -> bool:
+        """Whether the good state of `step` must be published as a checkpoint: no good checkpoint at or before it
+        (a run's first good state, with nothing resumed from)."""
+        return self.newest_good(step) is None
 
     def refresh_best_fields(self, state: Any) -> None:
         """Nothing to refresh: a restore takes the best-model fields from the checkpoint it loads."""
 
-    def restore(self, state: Any) -> Snapshot:
-        """Load the weights and optimizer state of the newest good checkpoint at or before this step, keep the LR
-        schedule and the optimizer's hyperparameters as they are now, and take the checkpoint's best-model fields. A
-        checkpoint saved without optimizer state (`save_only_model=True`) resets the optimizer state instead."""
-        trainer = self.trainer
-        path = self.newest_good(state.global_step)
+    def to_load(self, step: int) -> str:
+        """The newest good checkpoint at or before `step`, which the caller loads before [`restore`]; when none is
+        left, the run stops ([`TrainingDivergedError`], with an `abort` event)."""
+        path = self.newest_good(step)
         if path is None:
-            events = self.events
             detail = {"reason": "no_good_state", "good": list(self.good)}
-            events.add(NanEvent(state.global_step, "abort", ["weights_or_optimizer_state"], [], detail))
-            message = no_good_state_message(self.good, state.global_step, trainer.args.output_dir)
-            raise TrainingDivergedError(message, checkpoint_dir=None, report_path=events.path)
-        schedule = trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None
-        with_optimizer = any(name.startswith("optimizer") for name in os.listdir(path))
-        # What the Trainer does when it resumes inside its training loop, once the model is wrapped.
-        with kept_hyperparameters(self.optimizer):
-            if self.backend.zero_stage is not None:  # the engine loads its optimizer (and scheduler) with the weights
-                strict = getattr(trainer.model, "peft_config", None) is None
-                deepspeed_load_checkpoint(trainer.model_wrapped, path, load_module_strict=strict)
-            else:
-                trainer._load_from_checkpoint(path, trainer.model_wrapped if trainer.is_fsdp_enabled else None)
-                if not (with_optimizer and trainer.is_fsdp_enabled):
-                    # The live moments are dropped before the checkpoint's are loaded, not held alongside them (twice
-                    # the optimizer state at once, on the GPU under DDP); without optimizer state in the checkpoint,
-                    # fresh moments, as a run resumed from such a checkpoint has. FSDP2's loader reads the live
-                    # state's layout.
-                    self.optimizer.state.clear()
-                if with_optimizer:
-                    trainer._load_optimizer_and_scheduler(path)
-            if schedule is not None:
-                trainer.lr_scheduler.load_state_dict(schedule)
+            self.events.add(RunEvent(step, "abort", ["weights_or_optimizer_state"], [], detail))
+            message = no_good_state_message(self.good, step, self.output_dir)
+            raise TrainingDivergedError(message, checkpoint_dir=None, report_path=self.events.path)
+        return path
+
+    def restore(self, state: Any) -> Snapshot:
+        """After the caller loaded the weights and optimizer state of [`to_load`]'s checkpoint (keeping the LR
+        schedule and the optimizer's hyperparameters as they are now): take the checkpoint's best-model fields, and
+        repair a damaged parameter it does not hold (a PEFT checkpoint holds the adapters only)."""
+        path = self.newest_good(state.global_step)
         with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
             saved = json.load(f)
         for key in BEST_MODEL_FIELDS:
             setattr(state, key, saved.get(key))
         self.snapshot.step = checkpoint_step(path) or 0
-        repair_frozen(trainer.model, self.checkpoints, state.global_step)  # a PEFT checkpoint holds the adapters only
+        repair_frozen(self.model, self.checkpoints, state.global_step)
         return self.snapshot
 
 
@@ -144,4 +128,4 @@ def no_good_state_message(good: list[str], step: int, output_dir: str) -> str:
     )
 
 
-__all__ = ["CheckpointSnapshotter"]
+__all__ = ["CheckpointSource", "no_good_state_message"]

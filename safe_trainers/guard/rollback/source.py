@@ -1,8 +1,8 @@
 """The last good state a rollback goes back to: what both of its sources hold, and the interface they share.
 
-Two sources keep it: [`Snapshotter`] (`snapshot.py`: a copy in host memory, `nan_rollback_from="memory"`) and
-[`CheckpointSnapshotter`] (`disk_snapshot.py`: the newest verified checkpoint on disk, `"checkpoint"`). The guard
-holds one of them as a [`RollbackSource`] and calls nothing else on it.
+Two sources keep it: [`HostSnapshot`] (`memory.py`: a copy in host memory, `nan_rollback_from="memory"`) and
+[`CheckpointSource`] (`checkpoint.py`: the newest verified checkpoint on disk, `"checkpoint"`). The guard holds one
+of them as a [`RollbackSource`] and calls nothing else on it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .backends import Backend
+from ..backends import Backend
 
 # The trainer's best-model bookkeeping, which goes back with the weights it describes.
 BEST_MODEL_FIELDS = ("best_metric", "best_global_step", "best_model_checkpoint")
@@ -62,15 +62,22 @@ class RollbackSource(Protocol):
     def take(self, state: Any) -> Snapshot:
         """Keep the current weights and optimizer state as the last good state (`state`: the `TrainerState`)."""
 
+    def needs_checkpoint(self, step: int) -> bool:
+        """Whether the good state of `step` must be published as a checkpoint before it can be gone back to."""
+
     def published(self, path: str) -> None:
         """The trainer published a verified checkpoint of this run at `path`."""
+
+    def to_load(self, step: int) -> str | None:
+        """The checkpoint the caller loads before [`restore`] (the disk source), or `None`."""
 
     def refresh_best_fields(self, state: Any) -> None:
         """Record the best-model fields of `state` as they are now, for the weights already kept."""
 
     def restore(self, state: Any) -> Snapshot:
-        """Put the last good weights, optimizer state and best-model fields back; the optimizer's hyperparameters and
-        `state`'s timeline (`global_step`, the LR schedule) stay as they are."""
+        """Put the last good weights, optimizer state and best-model fields back (after the caller loaded
+        [`to_load`]'s checkpoint, if any); the optimizer's hyperparameters and `state`'s timeline (`global_step`, the
+        LR schedule) stay as they are."""
 
 
 def rollback_source(settings: Any, args: Any, report: Any = None) -> tuple[str, str | None]:

@@ -14,38 +14,43 @@ from __future__ import annotations
 
 import torch
 
-from .recovery import record_rewards
+from ..guard.rollback.actions import record_rewards
+from . import inspection
 
 
 class OnlineGenerationMixin:
     """Mixed in before TRL's `GRPOTrainer`/`RLOOTrainer` (after [`SafeTrainerMixin`])."""
 
     def _generate_and_score_completions(self, inputs):
-        if self.nan_guard is not None:
-            self.hooks_ran.ran("_generate_and_score_completions")  # see `hooks_ran.py`
-        if self.nan_guard is not None and self.model.training:
-            self.nan_guard.before_generation()
+        run = self.safe_run
+        if run.guard is not None:
+            run.hooks_ran.ran("_generate_and_score_completions")  # see `hooks_ran.py`
+        if run.guard is not None and self.model.training:
+            # Judge the pending steps and verify the state now (not from the cache: generation is far costlier than
+            # the check), rolling back a damaged state before it samples.
+            inspection.inspect(self, verify=True, fresh=True)
         return super()._generate_and_score_completions(inputs)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL turns a `None` reward into NaN and zeroes the advantage of a completion no reward function scored; an
         # Inf reward would reach the loss (and is then skipped by the guard). Either way, record it.
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.nan_guard is not None:
-            self.hooks_ran.ran("_calculate_rewards")
-        if self.nan_guard is not None and self.model.training:
+        run = self.safe_run
+        if run.guard is not None:
+            run.hooks_ran.ran("_calculate_rewards")
+        if run.guard is not None and self.model.training:
             nonfinite = ~torch.isfinite(rewards)
             count = int(nonfinite.sum())  # TRL already reads its reward metrics back every generation
             if count:
                 unscorable = nonfinite.all(dim=1).view(-1, self.num_generations).all(dim=1)
                 step = self.state.global_step + 1
-                record_rewards(self.nan_guard.events, step, count, rewards.shape[0], int(unscorable.sum()))
+                record_rewards(run.events, step, count, rewards.shape[0], int(unscorable.sum()))
         return rewards
 
     def discard_rollouts(self) -> None:
         """Drop the buffered generation batch and force the next generation to push the weights to vLLM again.
 
-        Called by the guard after it restored an older policy: the next micro-batch regenerates completions (and
+        Called after the guard restored an older policy (`inspection.carry_out`): the next micro-batch regenerates completions (and
         their old log-probabilities) from the restored weights, for the same prompts.
         """
         self._buffered_inputs = None

@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from .backends import Backend
+from ..backends import Backend
 from .frozen import repair_frozen
-from .good_state import Snapshot, best_model_fields, kept_hyperparameters
-from .host_buffers import HostBuffers, copy_to_host
-from .sharding import is_sharded, like, local, reshard
+from .source import Snapshot, best_model_fields, kept_hyperparameters
+from ...runtime.host_buffers import HostBuffers, copy_to_host
+from ...runtime.sharding import is_sharded, like, local, reshard
 
 
-class Snapshotter:
+class HostSnapshot:
     """Takes and restores [`Snapshot`]s of one trainer's state in host memory (a [`RollbackSource`]).
 
     Args:
@@ -84,6 +84,14 @@ class Snapshotter:
         """The trainer published a verified checkpoint: a source for damaged frozen parameters (the host copy stays
         the last good state)."""
         self.checkpoints.append(path)
+
+    def needs_checkpoint(self, step: int) -> bool:
+        """Never: the host copy is the good state."""
+        return False
+
+    def to_load(self, step: int) -> None:
+        """Nothing for the caller to load: [`restore`] copies the host snapshot back."""
+        return None
 
     def refresh_best_fields(self, state: Any) -> None:
         """Record the best-model fields as they are now, for the weights already in the snapshot."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import mean_across_ranks
+from ...runtime.collectives import mean_across_ranks
 
 
 class LossLedger:

@@ -5,9 +5,11 @@ backs the learning rate off ([`scale_learning_rate`]). It rewinds nothing else: 
 LR schedule position, the loss scaler and the token counters go on, so the run keeps its length, resume stays exact and
 logs stay monotonic (README, "The run's timeline").
 
-Each function takes the collaborators it acts on (the trainer, the [`RollbackSource`], the [`EventLog`]) and the values
-it reports, does its action and returns what it did (a [`Restored`] record, a count, an event); the guard decides when
-to call them and keeps its own counters and per-window state up to date from what they return.
+Each function takes the collaborators it acts on (the [`GuardPort`], the [`RollbackSource`], the [`EventLog`]) and the
+values it reports, does its action and returns what it did (a [`Restored`] record, an event, the error to raise); the
+guard decides when to call them and keeps its own counters and per-window state up to date from what they return.
+What only the trainer can do (load a checkpoint, save the abort checkpoint, drop GRPO's rollouts) is not here: the
+guard returns it as a decision (`port.py`) and the integration layer does it (`trainer/inspection.py`).
 """
 
 from __future__ import annotations
@@ -15,16 +17,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-from ..errors import TrainingDivergedError
-from .backends import unwrap_optimizer
-from .checkpoint_dirs import checkpoint_dir
-from .events import EventLog, NanEvent
+from ...errors import TrainingDivergedError
+from ...runtime.events import EventLog, RunEvent
 from .frozen import repair_frozen
-from .good_state import RollbackSource, param_groups
-from .policy import StepRecord, Verdict
-from .state import GuardState
+from .source import RollbackSource, param_groups
+from ..policy import StepReading, Verdict
+from ..port import GuardPort
+from ..state import GuardState
 
 logger = logging.getLogger("safe_trainers")
 
@@ -54,19 +55,17 @@ class Restored:
         return list(range(self.step + 1, self.at_step + 1)) if self.step is not None else []
 
 
-def restore_last_good(trainer: Any, snapshotter: RollbackSource, lr_backoff: float) -> Restored:
-    """Put the last snapshot's weights, optimizer state and best-model fields back, multiply the learning rate by
-    `lr_backoff`, and drop the rollouts a generating trainer (GRPO/RLOO) buffered from the discarded policy."""
-    at_step = trainer.state.global_step
-    snap = snapshotter.restore(trainer.state)
-    best = trainer.state.best_model_checkpoint
+def restore_last_good(port: GuardPort, source: RollbackSource, lr_backoff: float) -> Restored:
+    """Put the last good weights, optimizer state and best-model fields back (the caller has loaded the disk source's
+    checkpoint already) and multiply the learning rate by `lr_backoff`."""
+    state = port.state
+    at_step = state.global_step
+    snap = source.restore(state)
+    best = state.best_model_checkpoint
     if best is not None and not os.path.isdir(best):
         # The kept timeline's best checkpoint was rotated away while a discarded one was "best": no best now.
-        trainer.state.best_model_checkpoint = trainer.state.best_metric = trainer.state.best_global_step = None
-    lr = scale_learning_rate(unwrap_optimizer(trainer.optimizer), trainer.lr_scheduler, lr_backoff)
-    discard = getattr(trainer, "discard_rollouts", None)
-    if discard is not None:
-        discard()  # GRPO/RLOO: completions sampled by the discarded policy
+        state.best_model_checkpoint = state.best_metric = state.best_global_step = None
+    lr = scale_learning_rate(source.backend.optimizer, port.scheduler, lr_backoff)
     return Restored(snap.step, at_step, learning_rate=lr, lr_factor=lr_backoff)
 
 
@@ -96,13 +95,13 @@ def undo_backoff(optimizer: Any, lr_scale: float) -> None:
 def record_rollback(
     events: EventLog,
     verdict: Verdict,
-    records: list[StepRecord],
+    records: list[StepReading],
     diagnosis: dict | None,
     restored: Restored,
     rollbacks: int,
     damaged_ranks: list[int],
     max_steps: int | None = None,
-) -> NanEvent:
+) -> RunEvent:
     """Record and log the `rollback` event of a restore done on `verdict` (`rollbacks`: the count, this one
     included; `damaged_ranks`: the ranks whose state was found non-finite; `max_steps`: the run's last step)."""
     current, step, lr = restored.at_step, restored.step, restored.learning_rate
@@ -123,7 +122,7 @@ def record_rollback(
         detail["first_nonfinite_module"] = diagnosis
     ranks = sorted({rank for r in bad for rank in r.bad_ranks} | set(damaged_ranks))
     skipped = {e.step for e in events.events if e.kind == "skip"}
-    event = events.add(NanEvent(current, "rollback", what, ranks, detail))
+    event = events.add(RunEvent(current, "rollback", what, ranks, detail))
     logger.warning(
         f"NaN guard: restored the weights and optimizer state of step {step} at step {current} "
         f"({verdict.rollback}); {discarded_updates(restored.discarded_steps, skipped)}, and the learning rate is now "
@@ -157,24 +156,25 @@ def _steps(steps: list[int]) -> str:
     return f"steps {', '.join(map(str, steps))}"
 
 
-def restore_at_end(trainer: Any, snapshotter: RollbackSource, events: EventLog, damaged_ranks: list[int]) -> Restored:
+def record_end_restore(
+    port: GuardPort, source: RollbackSource, events: EventLog, best: str | None, damaged_ranks: list[int]
+) -> Restored:
     """When training has ended with a state damaged after the guard's last check (a callback later in the list, at
     the last `on_step_end` or at `on_train_end`): put back the last good state, so that `save_model()` writes a finite
-    model. The best checkpoint when `load_best_model_at_end` loaded one (it is what the run ends with; a damaged
-    parameter it does not hold, a LoRA base, is repaired from its files or stops the run), else the last snapshot.
-    No backoff and no counter: training is over. Records a `restore` event."""
-    step = trainer.state.global_step
-    best = trainer.state.best_model_checkpoint
-    if trainer.args.load_best_model_at_end and best and os.path.isdir(best):
-        trainer._load_best_model()
+    model. `best`: the best checkpoint the caller loaded (`load_best_model_at_end`: it is what the run ends with; a
+    damaged parameter it does not hold, a LoRA base, is repaired from its files or stops the run), else the last
+    good state of `source`. No backoff and no counter: training is over. Records a `restore` event."""
+    state = port.state
+    step = state.global_step
+    if best is not None:
         # A PEFT checkpoint holds the adapters only: any parameter still damaged (a frozen base) is repaired from its
         # files or named, as after any restore.
-        repair_frozen(trainer.model, snapshotter.checkpoints, step, held=())
-        restored = Restored(trainer.state.best_global_step, step, source=best)
+        repair_frozen(port.model, source.checkpoints, step, held=())
+        restored = Restored(state.best_global_step, step, source=best)
     else:
-        restored = Restored(snapshotter.restore(trainer.state).step, step)
+        restored = Restored(source.restore(state).step, step)
     detail = {"restored_from": restored.source, "restored_step": restored.step, "reason": "damaged_after_last_check"}
-    events.add(NanEvent(step, "restore", ["weights_or_optimizer_state"], list(damaged_ranks), detail))
+    events.add(RunEvent(step, "restore", ["weights_or_optimizer_state"], list(damaged_ranks), detail))
     logger.warning(
         f"NaN guard: the weights or optimizer state became non-finite after the last check of step {step} (a "
         f"callback after the guard's?); restored the last good state ({restored.source}, step {restored.step}) so the "
@@ -183,26 +183,18 @@ def restore_at_end(trainer: Any, snapshotter: RollbackSource, events: EventLog, 
     return restored
 
 
-def abort(
-    trainer: Any,
+def diverged_error(
     events: EventLog,
     verdict: Verdict,
     restored: Restored,
     state: GuardState,
     rollbacks_this_run: int,
-    settings: Any,
-) -> NoReturn:
-    """Stop the run over a restored last good state: save it as a checkpoint of the current step (the guard has
-    counted the restore and marked the state verified), record an `abort` event and raise [`TrainingDivergedError`].
-
-    `state` holds the guard's counters and LR backoff (saved with the checkpoint), `settings` the `nan_*` settings.
-    """
-    checkpoint = None
-    try:
-        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-        checkpoint = checkpoint_dir(trainer._get_output_dir(trial=None), restored.at_step)
-    except Exception as error:  # report, but never hide the divergence behind a save error
-        logger.error(f"NaN guard: could not save the last good state: {error}")
+    max_rollbacks: int,
+    checkpoint: str | None,
+) -> TrainingDivergedError:
+    """The run stops over a restored last good state that the caller saved as `checkpoint` (`None`: the save
+    failed): record an `abort` event and return the [`TrainingDivergedError`] to raise. `state` holds the guard's
+    counters and LR backoff (saved with the checkpoint)."""
     detail = {
         "reason": verdict.rollback,
         "fault_step": verdict.fault_step,
@@ -211,13 +203,12 @@ def abort(
         "learning_rate": restored.learning_rate,
         "checkpoint": checkpoint,
     }
-    events.add(NanEvent(restored.at_step, "abort", [verdict.rollback or "unknown"], [], detail))
+    events.add(RunEvent(restored.at_step, "abort", [verdict.rollback or "unknown"], [], detail))
     head = (
         f"Training diverged: {where_it_started(verdict, restored.at_step)} ({verdict.rollback}) after "
-        f"{rollbacks_this_run} rollback(s) (`nan_max_rollbacks={settings.nan_max_rollbacks}`); every event is in "
-        f"{events.path}."
+        f"{rollbacks_this_run} rollback(s) (`nan_max_rollbacks={max_rollbacks}`); every event is in {events.path}."
     )
-    raise TrainingDivergedError(
+    return TrainingDivergedError(
         abort_message(head, restored, checkpoint, state.lr_scale), checkpoint_dir=checkpoint, report_path=events.path
     )
 
@@ -247,15 +238,15 @@ def record_window(
     the spiking steps (`spike`; `spikes_skipped`: their update was not applied, under DeepSpeed it was and a rollback
     follows) and the steps whose update was prevented (`skip`, the first with the `diagnosis`); log the last two and
     count all three in `state`, the guard's counters."""
-    made = [NanEvent(r.step, "overflow", ["grad_norm"], [], {"loss": r.loss}) for r in verdict.overflows]
+    made = [RunEvent(r.step, "overflow", ["grad_norm"], [], {"loss": r.loss}) for r in verdict.overflows]
     made += [
-        NanEvent(r.step, "spike", [], [], {"loss": r.judged_loss, "grad_norm": r.grad_norm}) for r in verdict.spikes
+        RunEvent(r.step, "spike", [], [], {"loss": r.judged_loss, "grad_norm": r.grad_norm}) for r in verdict.spikes
     ]
     for i, record in enumerate(verdict.skipped):
         detail: dict[str, Any] = {"loss": record.loss, "grad_norm": record.grad_norm}
         if i == 0 and diagnosis is not None:
             detail["first_nonfinite_module"] = diagnosis
-        made.append(NanEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
+        made.append(RunEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
     for event in sorted(made, key=lambda event: event.step):  # stable: one step is never two of these kinds
         events.add(event)
     spikes, skipped = [r.step for r in verdict.spikes], [r.step for r in verdict.skipped]
@@ -274,10 +265,10 @@ def record_window(
     state.skipped_steps += len(skipped)
 
 
-def record_rewards(events: EventLog, step: int, nonfinite: int, total: int, whole_groups: int) -> NanEvent:
+def record_rewards(events: EventLog, step: int, nonfinite: int, total: int, whole_groups: int) -> RunEvent:
     """GRPO/RLOO: some rewards of step `step` came back NaN/None/Inf (gathered counts, identical on every rank)."""
     detail = {"nonfinite_rewards": nonfinite, "completions": total, "unscorable_groups": whole_groups}
-    return events.add(NanEvent(step, "reward", ["rewards"], [], detail))
+    return events.add(RunEvent(step, "reward", ["rewards"], [], detail))
 
 
 def nonfinite_start_message(ranks: list[int]) -> str:
@@ -288,9 +279,9 @@ def nonfinite_start_message(ranks: list[int]) -> str:
     )
 
 
-def refuse_save(events: EventLog, step: int) -> NanEvent:
+def refuse_save(events: EventLog, step: int) -> RunEvent:
     """Record and log that a checkpoint was not written because the state is non-finite."""
-    event = events.add(NanEvent(step, "save_refused", ["weights_or_optimizer_state"], [], {}))
+    event = events.add(RunEvent(step, "save_refused", ["weights_or_optimizer_state"], [], {}))
     logger.error(
         f"NaN guard: checkpoint-{step} was NOT written: the weights or optimizer state are non-finite. The last "
         "clean checkpoint is kept."

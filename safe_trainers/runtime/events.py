@@ -1,4 +1,5 @@
-"""The NaN guard's event log: one JSON object per line in `output_dir/nan_events.jsonl`."""
+"""The run's event log: one JSON object per line in `output_dir/nan_events.jsonl` (the name it has always had: the
+guard's skips and rollbacks, and the resumes, poisoned steps, preemptions and hangs of the run that outlives them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..files import open_append_no_follow, write_text_no_follow
+from .files import open_append_no_follow, write_text_no_follow
 
 EventKind = Literal[
     "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt",
@@ -24,7 +25,7 @@ logger = logging.getLogger("safe_trainers")
 
 
 @dataclass
-class NanEvent:
+class RunEvent:
     """One event.
 
     Args:
@@ -67,7 +68,7 @@ class EventLog:
     def __init__(self, output_dir: str, write: bool):
         self.path = os.path.join(output_dir, EVENTS_FILE)
         self.write = write
-        self.events: list[NanEvent] = []
+        self.events: list[RunEvent] = []
 
     def start_run(self, resumed_at: int | None) -> str | None:
         """Begin a run. A new run (`resumed_at=None`) starts its own log and keeps the previous run's as
@@ -92,11 +93,11 @@ class EventLog:
             write_text_no_follow(self.path, "".join(kept))
         return previous
 
-    def add(self, event: NanEvent) -> NanEvent:
+    def add(self, event: RunEvent) -> RunEvent:
         self.events.append(event)
         if self.write:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open_append_no_follow(self.path) as f:  # a link there is refused (`files.py`)
+            with open_append_no_follow(self.path) as f:  # a link there is refused (`runtime/files.py`)
                 f.write(json.dumps(event.to_dict()) + "\n")
         return event
 

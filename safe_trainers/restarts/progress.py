@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
-from ..files import open_no_follow
+from ..runtime.files import open_no_follow
 
 PROGRESS_FILE = ".safe_trainers_progress.json"
 KEPT_DEATHS = 16
@@ -218,7 +218,7 @@ class ProgressWriter:
 
     def __init__(self, output_dir: str, history: History, data: str):
         os.makedirs(output_dir, exist_ok=True)
-        self._fd = open_no_follow(os.path.join(output_dir, PROGRESS_FILE))  # a link there is refused (`files.py`)
+        self._fd = open_no_follow(os.path.join(output_dir, PROGRESS_FILE))  # a link there is refused (`runtime/files.py`)
         os.ftruncate(self._fd, 0)
         self._data = data
         self._size = 0

@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .backends import unwrap_optimizer
-from .collectives import max_across_ranks, ranks_with_flag
-from .policy import StepRecord
-from .sharding import replicated
+from ..backends import unwrap_optimizer
+from ...runtime.collectives import max_across_ranks, ranks_with_flag
+from ..policy import StepReading
+from ...runtime.sharding import replicated
 from .skip import clear_found_inf, skip_if_faulted
 from .spikes import SpikeWindow
 
@@ -137,8 +137,8 @@ class StepFlags:
         """After `optimizer.step()`: remove the `found_inf` handed to a fused optimizer."""
         clear_found_inf(unwrap_optimizer(optimizer))
 
-    def read(self) -> list[StepRecord]:
-        """The pending steps as [`StepRecord`]s, in one device-to-host transfer (and, only when a step is bad, one
+    def read(self) -> list[StepReading]:
+        """The pending steps as [`StepReading`]s, in one device-to-host transfer (and, only when a step is bad, one
         collective naming the ranks whose loss was non-finite); the pending list is emptied."""
         pending, self.pending = self.pending, []
         if not pending:
@@ -151,7 +151,7 @@ class StepFlags:
         overflow, spike, judged = table[:, 3].tolist(), table[:, 4].tolist(), table[:, 5].tolist()
         ranks = ranks_with_flag(torch.stack([p.local for p in pending])) if any(bad) else [[] for _ in pending]
         return [
-            StepRecord(p.step, loss, norm, b, tuple(r), bool(o), bool(k), j)
+            StepReading(p.step, loss, norm, b, tuple(r), bool(o), bool(k), j)
             for p, loss, norm, b, r, o, k, j in zip(pending, losses, norms, bad, ranks, overflow, spike, judged)
         ]
 
@@ -161,13 +161,16 @@ class StepFlags:
         self._loss_bad = self._loss_sum = None
 
 
-def loss_scale(trainer: Any, deepspeed: bool) -> float | None:
-    """The fp16 loss scaler's current scale (a host read; only at an inspection that found overflows)."""
-    if deepspeed:
-        optimizer = trainer.model_wrapped.optimizer
+def loss_scale(backend: Any) -> float | None:
+    """The fp16 loss scaler's current scale (a host read; only at an inspection that found overflows): DeepSpeed's
+    ZeRO optimizer's, or the `GradScaler` of [`Backend`] `backend`."""
+    if backend is None:
+        return None
+    if backend.zero_stage is not None:
+        optimizer = backend.optimizer
         scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
         return float(scale) if scale is not None else None
-    scaler = trainer.accelerator.scaler
+    scaler = backend.scaler
     return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
 

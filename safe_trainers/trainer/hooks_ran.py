@@ -37,10 +37,10 @@ CHECKED: tuple[Touchpoint, ...] = tuple(row for row in TOUCHPOINTS if row.check 
 
 # When a row's check applies (its `when`), read from the trainer.
 CONDITIONS: dict[str, Callable[[Any], bool]] = {
-    "resumed": lambda trainer: trainer.nan_guard.resumed_from is not None,
+    "resumed": lambda trainer: trainer.safe_run.guard.resumed_from is not None,
     "vllm": lambda trainer: bool(getattr(trainer.args, "use_vllm", False)),
     # The guard's `_save_checkpoint` ran at this step and wrote the checkpoint (it did not refuse a damaged state).
-    "saved": lambda trainer: _wrote_checkpoint(trainer.hooks_ran, trainer.state.global_step),
+    "saved": lambda trainer: _wrote_checkpoint(trainer.safe_run.hooks_ran, trainer.state.global_step),
 }
 
 
@@ -128,6 +128,8 @@ class HookCheckCallback(TrainerCallback):
         trainer: the safe trainer (its `hooks_ran` record is the one checked).
     """
 
+    priority = 50  # see `run.py`: first of all
+
     def __init__(self, trainer: Any):
         self.trainer = trainer
         self._stepped = False
@@ -136,7 +138,7 @@ class HookCheckCallback(TrainerCallback):
         self._stepped = False
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs: Any):
-        self.trainer.hooks_ran.ran("on_pre_optimizer_step")
+        self.trainer.safe_run.hooks_ran.ran("on_pre_optimizer_step")
         if not self._dropping():
             self._verify_once("pre_optimizer_step")
 
@@ -159,18 +161,18 @@ class HookCheckCallback(TrainerCallback):
         verify_hooks(self.trainer, "save")
 
     def _dropping(self) -> bool:
-        progress = self.trainer.step_progress
+        progress = self.trainer.safe_run.progress
         return progress is not None and progress.dropping
 
     def _verify_once(self, check: Check) -> None:
-        if check not in self.trainer.hooks_ran.checked:
+        if check not in self.trainer.safe_run.hooks_ran.checked:
             verify_hooks(self.trainer, check)
 
 
 def verify_hooks(trainer: Any, check: Check) -> None:
     """Raise [`UpstreamHookError`] when a hook of `check` did not run in `trainer` (a safe trainer with the guard on);
     record the check as passed otherwise."""
-    hooks = trainer.hooks_ran
+    hooks = trainer.safe_run.hooks_ran
     rows = [row for row in CHECKED if row.check == check]
     owners = {row.owner for row in rows if _applies(trainer, row.owner)}
     attributes = {row.name for row in rows if row.kind == "attribute" and hasattr(trainer, row.name)}

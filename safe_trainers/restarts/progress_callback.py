@@ -18,17 +18,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from ..guard.checkpoint_dirs import checkpoint_dir
-from ..guard.events import NanEvent
-from .step_record import History, Phase, Poisoned, ProgressWriter
-
-if TYPE_CHECKING:
-    from ..guard.guard import NanGuard
+from ..runtime.checkpoint_dirs import checkpoint_dir
+from ..runtime.events import EventLog, RunEvent
+from .progress import History, Phase, Poisoned, ProgressWriter
 
 logger = logging.getLogger("safe_trainers")
 
@@ -37,11 +34,16 @@ class StepProgressCallback(TrainerCallback):
     """Writes the step record and drops the micro-batches of poisoned steps (see the module docstring).
 
     Args:
-        guard ([`NanGuard`]): the trainer's guard (its event log records the poisoned steps).
+        events ([`EventLog`]): the run's event log (the poisoned steps).
+        output_dir (`str`): where the step record is kept.
+        main (`bool`): this is the main process (it writes the record).
+        can_leave_out (`bool`): a poisoned step's batches can be left untrained ([`can_leave_out_a_step`]).
     """
 
-    def __init__(self, guard: NanGuard):
-        self.guard = guard
+    priority = 30  # the integration layer's order (`trainer/run.py`): after preemption, before the guard
+
+    def __init__(self, events: EventLog, output_dir: str, main: bool, can_leave_out: bool = True):
+        self.events, self.output_dir, self.main, self.can_leave_out = events, output_dir, main, can_leave_out
         self.history = History()
         self.dropping = False
         self._writer: ProgressWriter | None = None
@@ -52,11 +54,9 @@ class StepProgressCallback(TrainerCallback):
         resumes at. The record is written at once (between steps): a death while the run starts up (loading,
         wrapping the model, the first snapshot) keeps the run's history and is never blamed on a step's data."""
         self.history, self.dropping = history, False
-        trainer = self.guard.trainer
         if self._writer is not None:
             self._writer.close()
-        main = trainer.is_world_process_zero()
-        self._writer = ProgressWriter(trainer.args.output_dir, history, data) if main else None
+        self._writer = ProgressWriter(self.output_dir, history, data) if self.main else None
         self._save(step, "between")
 
     @staticmethod
@@ -68,7 +68,7 @@ class StepProgressCallback(TrainerCallback):
         step = state.global_step + 1
         poisoned = self.history.poisoned_step(step)
         if poisoned is not None:
-            self.dropping = can_leave_out_a_step(self.guard.trainer)
+            self.dropping = self.can_leave_out
             self._report(step, poisoned, args.gradient_accumulation_steps)
         self._save(step, "step")
 
@@ -121,7 +121,7 @@ class StepProgressCallback(TrainerCallback):
     def _report(self, step: int, poisoned: Poisoned, accumulation: int) -> None:
         batches = [(step - 1) * accumulation, step * accumulation - 1]
         detail = {"attempts": list(poisoned.attempts), "micro_batches": batches, "skipped": self.dropping}
-        self.guard.events.add(NanEvent(step, "poison", [], [], detail))
+        self.events.add(RunEvent(step, "poison", [], [], detail))
         if self._writer is None:  # the main process reports
             return
         attempts = " and ".join(str(a) for a in poisoned.attempts)
@@ -138,13 +138,3 @@ class StepProgressCallback(TrainerCallback):
                 "`steps_per_generation` above `gradient_accumulation_steps` or `num_iterations` > 1 index their "
                 "generation buffer by step): they are trained again."
             )
-
-
-def can_leave_out_a_step(trainer: Any) -> bool:
-    """Whether a step's micro-batches can be taken from the dataloader and not trained, leaving every other step's
-    batches as they were: not under DeepSpeed, nor when GRPO/RLOO serve several optimizer steps from one generation
-    buffer, which they index by the steps actually trained."""
-    args = trainer.args
-    accumulation = args.gradient_accumulation_steps
-    spans_steps = (getattr(args, "steps_per_generation", None) or accumulation) > accumulation
-    return not trainer.is_deepspeed_enabled and not spans_steps and getattr(args, "num_iterations", 1) <= 1

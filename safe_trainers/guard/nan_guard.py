@@ -1,0 +1,298 @@
+"""`NanGuard`: keeps non-finite updates out of the weights and rolls back to the last good state.
+
+Per optimizer step, with no host-device synchronisation, [`StepFlags`] keeps a device fault flag (losses and gradient
+norm, agreed across ranks; a loss or gradient-norm spike joins it), and `apply_skip` hands it to the optimizer before
+`optimizer.step()` so the update is not applied (`step/`). An fp16 loss scaler's overflow is recorded, not a fault.
+
+At inspection points (log, save, evaluation, the last step, every `nan_snapshot_steps`) the flags are read back in
+one transfer ([`judge`]) and judged by the pure policy (`policy.judge_window`); [`settle`] records them and decides.
+The timeline never rewinds: a rollback puts back only the weights and optimizer state of the last good state (see
+`rollback/actions.py`). The guard holds no trainer: what only the trainer can do, it returns ([`Decision`]).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from ..errors import TrainingDivergedError
+from ..runtime.checkpoint_dirs import checkpoint_step
+from ..runtime.collectives import ranks_with_flag
+from ..runtime.events import EventLog
+from ..runtime.finite import all_finite, deepspeed_state_tensors, optimizer_tensors
+from ..runtime.ports import UNWATCHED, FlagRider, StepClock
+from .backends import Backend, unwrap_optimizer
+from .diagnosis import RecentBatches
+from .policy import can_roll_back, diagnosed_step, inspection_due, judge_window, spike_run_rolled_back
+from .policy import unexplained_overflows
+from .port import Decision, EndRestore, GuardPort, Judged
+from .rollback.actions import (
+    Restored, diverged_error, nonfinite_start_message, record_rollback, record_window, record_end_restore,
+    restore_last_good, scale_learning_rate, undo_backoff,
+)  # fmt: skip
+from .rollback.checkpoint import CheckpointSource
+from .rollback.memory import HostSnapshot
+from .rollback.source import RollbackSource
+from .state import GuardState
+from .step.flags import StepFlags, loss_scale
+from .step.ledger import LossLedger
+from .step.spikes import SpikeSettings, SpikeWindow
+
+logger = logging.getLogger("safe_trainers")
+
+
+class NanGuard:
+    """The NaN guard of one trainer.
+
+    Args:
+        settings ([`SafetyArguments`]): the `nan_*` settings.
+        config: the trainer's config (`TrainingArguments`: `learning_rate`, the reference-model sync settings).
+        port ([`GuardPort`]): what the guard reads from the loop while it trains.
+        events ([`EventLog`]): the run's event log.
+        clock ([`StepClock`], *optional*): what times the steps (the hang watchdog), paused around the guard's copies.
+        rider ([`FlagRider`], *optional*): a flag riding on the per-step all-reduce (the preemption request).
+    """
+
+    def __init__(
+        self,
+        settings: Any,
+        config: Any,
+        port: GuardPort,
+        events: EventLog,
+        clock: StepClock = UNWATCHED,
+        rider: FlagRider | None = None,
+    ):
+        self.settings, self.config, self.port = settings, config, port
+        self.events, self.clock, self.rider = events, clock, rider
+        self.ledger = LossLedger()
+        self.batches = RecentBatches()
+        self.state = GuardState()
+        self.rollbacks_this_run = 0
+        self.spikes: SpikeWindow | None = None
+        self.backend: Backend | None = None  # bound when training starts (`begin`)
+        self.rollback_from: str = settings.nan_rollback_from
+        self.snapshotter: RollbackSource | None = None
+        self.resumed_from: str | None = None
+        self.verified_step = -1
+        self.damaged_ranks: list[int] = []
+        self.flags, self.deepspeed = StepFlags(), False  # DeepSpeed steps in `backward`, skips non-finite steps itself
+        self._consecutive = 0
+        self._refresh_best = False
+
+    def start_run(self, resume_from: str | None, optimizer: Any = None) -> None:
+        """A `train()` call starts: a new run starts its own event log and counters (and takes a previous run's
+        backoff off `optimizer`, the trainer's from that run, if any); a resumed run restores them."""
+        if resume_from is None:  # a new run on the same trainer reuses its optimizer: the previous backoff goes
+            undo_backoff(unwrap_optimizer(optimizer), self.state.lr_scale)
+        resumed_at = None
+        if resume_from is not None:  # a directory not named `checkpoint-N` keeps the whole log
+            step = checkpoint_step(resume_from)
+            resumed_at = step if step is not None else sys.maxsize
+        moved = self.events.start_run(resumed_at=resumed_at)
+        if moved:
+            logger.info(f"NaN guard: the previous run's event log was kept as {moved}.")
+        self.resumed_from = resume_from
+        saved = GuardState.load(resume_from) if resume_from is not None else None
+        self.state = saved or GuardState(learning_rate=self.config.learning_rate)
+        self.rollbacks_this_run = 0
+        spikes = SpikeSettings.from_settings(self.settings)
+        self.spikes = SpikeWindow(spikes, self.state.spike_window) if spikes.enabled else None
+        self.ledger.begin_run()
+
+    def begin(self, backend: Backend, rollback_from: str) -> bool:
+        """Training starts: bind to `backend` (the optimizer, the ZeRO stage, the loss scaler), keep the last good
+        state in `rollback_from` (`"memory"` or `"checkpoint"`) and take the first one. Returns whether the caller
+        must publish the current state as a checkpoint (the disk source's first good state)."""
+        self.backend, self.deepspeed = backend, backend.zero_stage is not None
+        self.rollback_from = rollback_from
+        model = self.port.model
+        if rollback_from == "checkpoint":
+            self.snapshotter = CheckpointSource(model, backend, self.events, self.config.output_dir, self.resumed_from)
+        else:
+            self.snapshotter = HostSnapshot(model, backend, resumed_from=self.resumed_from)
+        self.flags = StepFlags(backend.loss_scaled, self.spikes)
+        self.batches.clear()
+        if not self.state_is_finite():
+            raise ValueError(nonfinite_start_message(self.damaged_ranks))
+        return self.take_snapshot()
+
+    def resumed_learning_rate(self, optimizer: Any, scheduler: Any) -> None:
+        """After a checkpoint's optimizer and scheduler were loaded: they carry the backed-off LR; if the user now
+        asks for a different `learning_rate`, scale to it (the backoff still applies)."""
+        configured, saved = self.config.learning_rate, self.state.learning_rate
+        if saved and configured and configured != saved:
+            scale_learning_rate(optimizer, scheduler, configured / saved)
+        self.state.learning_rate = configured
+
+    # ------------------------------------------------------------------ hot path (no host sync)
+    def record_inputs(self, inputs: Any) -> None:
+        """Keep a host copy of one micro-batch's prepared inputs, for diagnosis."""
+        self.batches.record(inputs)
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Fold one micro-batch loss (as `training_step` returns it) into the step's flag and sums."""
+        self.flags.observe_loss(loss)
+        self.ledger.add_micro_batch(loss)
+
+    def end_of_step(self, grad_norm: Any, backend_skipped: bool = False, dropped: bool = False) -> torch.Tensor:
+        """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag.
+        `backend_skipped`: DeepSpeed, which steps inside `backward`, skipped the step itself. `dropped`: the step's
+        batches were not trained (a poisoned step, see `restarts/progress_callback.py`): a skipped step."""
+        step = self.port.state.global_step + 1
+        fault = self.flags.end_step(step, grad_norm, self.port.device, backend_skipped, dropped, self.rider)
+        self.batches.end_step(step)
+        self.ledger.end_step(fault)
+        return fault
+
+    def apply_skip(self, optimizer: Any) -> None:
+        """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
+        if not self.deepspeed:  # DeepSpeed skips them itself
+            self.flags.skip_update(optimizer, self.backend.scaler if self.backend is not None else None)
+
+    def after_update(self, optimizer: Any) -> None:
+        """After `optimizer.step()`: take back what `apply_skip` handed the optimizer."""
+        self.flags.after_update(optimizer)
+
+    # ------------------------------------------------------------------ when to inspect
+    def due(self, control: Any) -> tuple[bool, bool] | None:
+        """Where the Trainer is about to log, evaluate or save (every step, before it does): `(verify, snapshot)` when
+        an inspection is due ([`inspection_due`]), else `None`."""
+        self.verified_step = -1  # callbacks after the guard's may have changed the state since it was last verified
+        self.refresh_best_fields()
+        step, pending = self.port.state.global_step, len(self.flags.pending)
+        return inspection_due(control, step, self.config, self.settings.nan_snapshot_steps, pending)
+
+    # ------------------------------------------------------------------ inspection
+    def judge(self, verify: bool = False, snapshot: bool = False, fresh: bool = False) -> Judged | None:
+        """Read the pending flags and judge them (checking the state when a step was bad, or `verify`); `fresh`: do
+        not trust an earlier verification of this step. `None` when there is nothing to judge."""
+        if fresh:
+            self.verified_step = -1
+        if not self.flags.pending and not verify:
+            return None
+        records = self.flags.read()
+        if any(r.overflow for r in records):
+            records = unexplained_overflows(records, loss_scale(self.backend))
+        any_bad = any(r.bad for r in records)
+        state_finite = self.state_verified() if (any_bad or verify) else True
+        limit = self.settings.nan_max_consecutive_skips
+        verdict = judge_window(records, self._consecutive, limit, self.deepspeed, state_finite)
+        self._consecutive = verdict.consecutive
+        judged = Judged(records, verdict, state_finite, snapshot=snapshot)
+        diagnosed = diagnosed_step(verdict) if not self.state.localized else None
+        batches = self.batches.get(diagnosed)
+        if batches:  # every rank holds the batches of the same steps, so all ranks replay together
+            self.state.localized = True
+            judged.replay, judged.replay_step = batches, diagnosed
+        return judged
+
+    def settle(self, judged: Judged, diagnosis: dict[str, Any] | None = None) -> Decision:
+        """Record an inspection's events (with the `diagnosis` of the replayed step, if any) and decide: restore the
+        last good state (and go on, or stop), or take a snapshot."""
+        verdict = judged.verdict
+        record_window(self.events, verdict, diagnosis, self.state, spikes_skipped=not self.deepspeed)
+        self.ledger.record_skips(len(verdict.skipped) + len(verdict.spikes))
+        self.batches.clear()
+        decision = Decision(verdict, records=judged.records, diagnosis=diagnosis if not verdict.skipped else None)
+        if verdict.rollback is not None:
+            decision.restore = True
+            decision.abort = not can_roll_back(self.rollbacks_this_run, self.settings.nan_max_rollbacks)
+            if self.spikes is not None and spike_run_rolled_back(verdict):
+                self.spikes.restart()  # warm up again on the run's level (also in the abort's saved state)
+            self.refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
+            decision.load = self.snapshotter.to_load(self.port.state.global_step)
+        elif judged.snapshot and judged.state_finite and verdict.consecutive == 0:
+            # Only right after an applied step: a rollback then restores the state before the fault.
+            decision.publish_good_state = self.take_snapshot()
+        return decision
+
+    def restore(self, decision: Decision) -> Restored:
+        """Put the last good state back (after the caller loaded `decision.load`, if any), back the learning rate off
+        and count it; record the `rollback` event unless the run stops (`decision.abort`)."""
+        with self.clock.paused():  # a copy of the whole state: not timed as part of the step
+            restored = restore_last_good(self.port, self.snapshotter, self.settings.nan_lr_backoff)
+        self.state.lr_scale *= restored.lr_factor
+        self.state.discarded_steps += len(restored.discarded_steps)
+        self.verified_step = restored.at_step  # verified when it was taken
+        self._consecutive = 0
+        self.flags.clear()
+        self.batches.clear()
+        if not decision.abort:
+            self.state.rollbacks += 1
+            self.rollbacks_this_run += 1
+            facts = (decision.verdict, decision.records, decision.diagnosis, restored, self.state.rollbacks)
+            record_rollback(self.events, *facts, self.damaged_ranks, max_steps=self.port.state.max_steps)
+        return restored
+
+    def diverged(self, decision: Decision, restored: Restored, checkpoint: str | None) -> TrainingDivergedError:
+        """The run stops over the restored state, saved by the caller as `checkpoint` (`None`: the save failed):
+        record the `abort` event and return the error to raise."""
+        facts = (decision.verdict, restored, self.state, self.rollbacks_this_run, self.settings.nan_max_rollbacks)
+        return diverged_error(self.events, *facts, checkpoint)
+
+    # ------------------------------------------------------------------ the end
+    def check_at_end(self, best: str | None = None) -> EndRestore | None:
+        """When `train()` returns, after every callback: verify once more (every rank). `None` when the state is
+        finite; else what the caller loads before [`restored_at_end`] (`best`: the best checkpoint the Trainer loads
+        at the end with `load_best_model_at_end`, if any)."""
+        self.verified_step = -1
+        if self.snapshotter is None or self.state_is_finite():
+            return None
+        return EndRestore(best=best) if best else EndRestore(load=self.snapshotter.to_load(self.port.state.global_step))
+
+    def restored_at_end(self, end: EndRestore) -> Restored:
+        """Put the last good state back over a state damaged after the last check (the caller loaded `end`'s
+        checkpoint) and record a `restore` event; no backoff and no counter: training is over."""
+        with self.clock.paused():
+            restored = record_end_restore(self.port, self.snapshotter, self.events, end.best, self.damaged_ranks)
+        self.verified_step = restored.at_step
+        return restored
+
+    def state_is_finite(self) -> bool:
+        """Whether the weights and optimizer state are finite on every rank (a collective and a host sync).
+
+        The ranks whose own state is non-finite are kept in `self.damaged_ranks`.
+        """
+        backend = self.backend
+        if backend is not None and backend.zero_stage is not None:
+            tensors = deepspeed_state_tensors(backend.optimizer, backend.zero_stage)
+        else:
+            optimizer = backend.optimizer if backend is not None else None
+            tensors = list(self.port.model.parameters()) + (optimizer_tensors(optimizer) if optimizer else [])
+        finite = all_finite(tensors).to(self.port.device)
+        self.damaged_ranks = [rank for ranks in ranks_with_flag((~finite).reshape(1)) for rank in ranks]
+        # A check that finds damage takes back an earlier verification of this step.
+        self.verified_step = -1 if self.damaged_ranks else self.port.state.global_step
+        return not self.damaged_ranks
+
+    def state_verified(self) -> bool:
+        """Whether the state is known finite at this step (checked now unless this step was already verified)."""
+        return self.verified_step == self.port.state.global_step or self.state_is_finite()
+
+    def take_snapshot(self) -> bool:
+        """Keep the current state as the last good one; returns whether the caller must publish it as a checkpoint
+        (the disk source's first good state)."""
+        with self.clock.paused():  # a copy of the whole state: not timed as part of the step by the hang watchdog
+            self.snapshotter.take(self.port.state)
+        # Taken in `on_step_end`, before this step's evaluation and save, which belong to the same weights: the
+        # best-model fields are refreshed at the next boundary (or rollback), once they have run.
+        self._refresh_best = True
+        return self.snapshotter.needs_checkpoint(self.port.state.global_step)
+
+    def refresh_best_fields(self) -> None:
+        """Record the best-model fields with the snapshot taken before this step's evaluation and save."""
+        if self._refresh_best and self.snapshotter is not None:
+            self.snapshotter.refresh_best_fields(self.port.state)
+            self._refresh_best = False
+
+    def published(self, path: str) -> None:
+        """A verified checkpoint of this run was published at `path` (a good state for the disk source, and where a
+        damaged frozen parameter may be restored from)."""
+        if self.snapshotter is not None:
+            self.snapshotter.published(path)
+
+
+__all__ = ["NanGuard"]

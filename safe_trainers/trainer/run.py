@@ -1,0 +1,154 @@
+"""The run a safe trainer holds: its guard, step record, preemption, watchdog and hook bookkeeping, in one object
+built in one place, and the callbacks installed once, in the order their priorities say.
+
+Callback order, right after transformers' flow callback (which decides whether a step logs, evaluates or saves),
+before every other callback (TRL's reference-model sync, the reporting integrations, the user's), highest `priority`
+first (each callback declares its own):
+
+| priority | callback | why there |
+|---|---|---|
+| 50 | [`HookCheckCallback`] | first of all: the upstream hooks the guard depends on ran, or the run stops |
+| 40 | [`PreemptionCallback`] | decides at `on_step_end` whether this step is the one every rank stops at, and asks it to save, before the guard verifies |
+| 30 | [`StepProgressCallback`] | a step is over (for the step record) before the guard inspects, snapshots or rolls back, so a death there is never blamed on the step's data |
+| 20 | [`NanGuardCallback`] | the state is verified before anything after it reads or saves it |
+| 10 | [`HangWatchdog`] | its `on_step_end` comes after the guard's inspection, so the inspection's collectives are timed with the step |
+| 0 | [`CompileWatch`] | anywhere: it tells the step record and the watchdog when torch compiles |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from transformers.trainer_callback import DefaultFlowCallback
+
+from ..guard.nan_guard import NanGuard
+from ..restarts.agents import restart_count
+from ..restarts.compile_watch import CompileWatch
+from ..restarts.hang_report import hang_exits
+from ..restarts.output_lock import OutputDirLock
+from ..restarts.preemption import PreemptionCallback, parse_signals
+from ..restarts.watchdog import HangWatchdog, generation_period
+from ..runtime.events import EventLog, RunEvent
+from ..runtime.ports import UNWATCHED
+from .callbacks import NanGuardCallback
+from .hooks_ran import HookCheckCallback, HooksRan
+from .port import TrainerPort, refuse_unsupported_backend
+from ..restarts.progress_callback import StepProgressCallback
+
+@dataclass
+class ClosedWindow:
+    """A log window the ledger closed where the Trainer decided to log (`loss`: the mean over its applied steps, or
+    `None` when the Trainer's own value stands), waiting for the Trainer's `log` call of that window."""
+
+    loss: float | None
+
+
+@dataclass
+class HookState:
+    """What the Trainer hooks carry from one Trainer call to the next (`hooks.py`, `checkpoints.py`).
+
+    Args:
+        staging (`bool`): `_save_checkpoint` is writing a checkpoint: the Trainer's `_get_output_dir` answers the
+            staging directory, and `_push_from_checkpoint` waits for the published one.
+        starting_checkpoint (`bool`): the checkpoint being written is the run's starting state (never uploaded).
+        window ([`ClosedWindow`] or `None`): closed by `_maybe_log_save_evaluate`, taken by `log`.
+        last_finite_total_loss (`float`): the Trainer's last finite running loss total, put back over a NaN one.
+        replaying (`bool`): the guard's diagnosis replays a step (`replay.py`): its inputs are not recorded.
+    """
+
+    staging: bool = False
+    starting_checkpoint: bool = False
+    window: ClosedWindow | None = None
+    last_finite_total_loss: float = 0.0
+    replaying: bool = False
+
+
+@dataclass
+class SafeRun:
+    """What a safe trainer's run holds (`trainer.safe_run`). With `nan_guard=False` only the output lock is used.
+
+    Args:
+        guard ([`NanGuard`], *optional*): the NaN guard (also `trainer.nan_guard`, for users).
+        events ([`EventLog`], *optional*): the run's event log, shared by the guard, the step record, preemption and
+            the watchdog.
+        progress ([`StepProgressCallback`], *optional*): the step record across restarts.
+        preemption ([`PreemptionCallback`], *optional*): with `preempt_signals`.
+        watchdog ([`HangWatchdog`], *optional*): with `hang_timeout > 0`.
+        compile_watch ([`CompileWatch`], *optional*): tells the step record and the watchdog when torch compiles.
+        hooks_ran ([`HooksRan`], *optional*): which of the guard's Trainer hooks ran (`hooks_ran.py`).
+        hooks ([`HookState`], *optional*): what the Trainer hooks carry from one call to the next (`hooks.py`).
+        hook_check ([`HookCheckCallback`], *optional*), guard_callback ([`NanGuardCallback`], *optional*): the
+            callbacks that check the hooks and drive the guard.
+        output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
+    """
+
+    guard: NanGuard | None = None
+    events: EventLog | None = None
+    progress: StepProgressCallback | None = None
+    preemption: PreemptionCallback | None = None
+    watchdog: HangWatchdog | None = None
+    compile_watch: CompileWatch | None = None
+    hooks_ran: HooksRan | None = None
+    hooks: HookState | None = None
+    hook_check: HookCheckCallback | None = None
+    guard_callback: NanGuardCallback | None = None
+    output_lock: OutputDirLock | None = None
+
+    @property
+    def callbacks(self) -> list[Any]:
+        """The run's callbacks, highest `priority` first (each declares its own)."""
+        present = (self.hook_check, self.preemption, self.progress, self.guard_callback, self.watchdog)
+        present += (self.compile_watch,)
+        return sorted((cb for cb in present if cb is not None), key=lambda cb: -cb.priority)
+
+
+def build_run(trainer: Any, settings: Any) -> SafeRun:
+    """The run of a built trainer: everything the guard needs when `settings.nan_guard` is on (the guard, its event
+    log, the step record, preemption with `preempt_signals`, the watchdog with `hang_timeout > 0`), else nothing but
+    the output lock's place."""
+    if not settings.nan_guard:
+        return SafeRun()
+    refuse_unsupported_backend(trainer)
+    args = trainer.args
+    events = EventLog(args.output_dir, write=trainer.is_world_process_zero())
+    run = SafeRun(events=events, hooks_ran=HooksRan(), hooks=HookState())
+    signals = parse_signals(settings.preempt_signals)
+    run.preemption = PreemptionCallback(events, signals) if signals else None
+    if settings.hang_timeout > 0:
+        run.watchdog = HangWatchdog(
+            args.output_dir, args.process_index, settings.hang_timeout, settings.hang_timeout_factor,
+            attempt=restart_count(os.environ), learn_after=generation_period(args),
+            exits=hang_exits(settings.hang_action, os.environ), action=settings.hang_action,
+            on_hang=lambda step, detail: events.add(RunEvent(step, "hang", [], [args.process_index], detail)),
+        )  # fmt: skip
+    clock = run.watchdog if run.watchdog is not None else UNWATCHED
+    run.guard = NanGuard(settings, args, TrainerPort(trainer), events, clock=clock, rider=run.preemption)
+    main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
+    run.progress = StepProgressCallback(events, args.output_dir, main, can_leave_out=leave_out)
+    listeners: list[Any] = [run.progress] + ([run.watchdog] if run.watchdog is not None else [])
+    run.compile_watch = CompileWatch(listeners)
+    run.hook_check = HookCheckCallback(trainer)
+    run.guard_callback = NanGuardCallback(trainer)
+    return run
+
+
+def install_callbacks(trainer: Any, run: SafeRun) -> None:
+    """Put the run's callbacks right after transformers' flow callback, in priority order (the module docstring)."""
+    callbacks = trainer.callback_handler.callbacks
+    flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
+    callbacks[flow + 1 : flow + 1] = run.callbacks
+
+
+def can_leave_out_a_step(trainer: Any) -> bool:
+    """Whether a step's micro-batches can be taken from the dataloader and not trained, leaving every other step's
+    batches as they were: not under DeepSpeed, nor when GRPO/RLOO serve several optimizer steps from one generation
+    buffer, which they index by the steps actually trained."""
+    args = trainer.args
+    accumulation = args.gradient_accumulation_steps
+    spans_steps = (getattr(args, "steps_per_generation", None) or accumulation) > accumulation
+    return not trainer.is_deepspeed_enabled and not spans_steps and getattr(args, "num_iterations", 1) <= 1
+
+
+__all__ = ["ClosedWindow", "HookState", "SafeRun", "build_run", "install_callbacks"]
