@@ -17,7 +17,7 @@ from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from ..guard import read_events
 from ..runtime.checkpoint_dirs import checkpoints
-from ..guard.rollback.actions import discarded_updates
+from ..guard import discarded_updates
 from ..testing.faults import Fault
 
 

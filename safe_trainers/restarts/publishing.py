@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..runtime.checkpoint_dirs import checked_staging, checkpoint_dir
 from ..runtime.files import fsync_path, fsync_tree, open_no_follow
 from .checkpoint_choice import checkpoint_problem
-from ..runtime.checkpoint_dirs import checked_staging, checkpoint_dir
 
 COMPLETE = ".complete"  # beside a staged copy: fully written, verified and fsynced
 REPLACED = ".replaced"  # the published copy a publication moved aside

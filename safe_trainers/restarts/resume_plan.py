@@ -30,12 +30,16 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from ..runtime.checkpoint_dirs import checkpoint_step
 from ..runtime.events import EventLog, RunEvent
-from .checkpoint_choice import (
-    CheckpointChoice, PassedOver, checker, checkpoint_problem, choose_checkpoint, safety_problem,
-)  # fmt: skip
 from .agents import TrainCalls, agent_identity, launch_agents, restart_count, same_launch
+from .checkpoint_choice import (
+    CheckpointChoice,
+    PassedOver,
+    checker,
+    checkpoint_problem,
+    choose_checkpoint,
+    safety_problem,
+)  # fmt: skip
 from .progress import History, Progress, data_identity, inherit, read_progress
-
 
 logger = logging.getLogger("safe_trainers")
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from transformers import TrainerCallback
 
-from ..guard.backends import unwrap_optimizer
+from ..guard import unwrap_optimizer
 from ..runtime.sharding import is_sharded, local
 
 

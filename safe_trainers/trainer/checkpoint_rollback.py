@@ -10,8 +10,7 @@ from typing import Any
 
 from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
-from ..guard.backends import Backend
-from ..guard.rollback.source import kept_hyperparameters
+from ..guard import Backend, kept_hyperparameters
 
 
 def load_good_checkpoint(trainer: Any, path: str, backend: Backend) -> None:

@@ -11,7 +11,7 @@ import torch
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
 from ..errors import NonFiniteWeightsError
-from ..guard.rollback.actions import refuse_save
+from ..guard import refuse_save
 from ..restarts.output_lock import publishes_here
 from ..restarts.publishing import publish
 from ..restarts.rotation import rotate_up_to

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..guard.rollback.actions import record_rewards
+from ..guard import record_rewards
 from . import inspection
 
 

@@ -32,7 +32,6 @@ from ..upstream.table import TOUCHPOINTS
 from ..upstream.touchpoint import CHECK_TEXT, Check, Touchpoint
 from ..upstream.versions import current_versions_note
 
-
 CHECKED: tuple[Touchpoint, ...] = tuple(row for row in TOUCHPOINTS if row.check is not None)
 
 # When a row's check applies (its `when`), read from the trainer.

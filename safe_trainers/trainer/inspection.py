@@ -14,9 +14,7 @@ import logging
 import os
 from typing import Any
 
-from ..guard.port import Decision
-from ..guard.policy import Verdict
-from ..guard.rollback.source import rollback_source
+from ..guard import Decision, Verdict, rollback_source
 from ..runtime.checkpoint_dirs import checkpoint_dir
 from .checkpoint_rollback import load_good_checkpoint
 from .port import training_backend

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from ..arguments import SafetyArguments
 from ..configs import config_class
-from ..guard.nan_guard import NanGuard
+from ..guard import NanGuard
 from ..kinds import get_kind
 from ..restarts.preemption import refuse_jit_checkpoint
 from ..rules.context import TrainerSetup, build_setup
@@ -18,7 +18,6 @@ from ..rules.report import SafetyReport
 from ..rules.stages import run_built_rules, run_setup_rules
 from .hooks import NanGuardTrainerMixin
 from .run import SafeRun, build_run, install_callbacks
-
 
 logger = logging.getLogger("safe_trainers")
 

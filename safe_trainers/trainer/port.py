@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..guard.backends import Backend, backend_problem, unwrap_optimizer
+from ..guard import Backend, backend_problem, unwrap_optimizer
 
 
 class TrainerPort:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..guard.diagnosis import localize
+from ..guard import localize
 from ..runtime.collectives import distributed
 from ..runtime.sharding import reshard
 

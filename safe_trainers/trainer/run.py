@@ -23,19 +23,20 @@ from typing import Any
 
 from transformers.trainer_callback import DefaultFlowCallback
 
-from ..guard.nan_guard import NanGuard
+from ..guard import NanGuard
 from ..restarts.agents import restart_count
 from ..restarts.compile_watch import CompileWatch
 from ..restarts.hang_report import hang_exits
 from ..restarts.output_lock import OutputDirLock
 from ..restarts.preemption import PreemptionCallback, parse_signals
+from ..restarts.progress_callback import StepProgressCallback
 from ..restarts.watchdog import HangWatchdog, generation_period
 from ..runtime.events import EventLog, RunEvent
 from ..runtime.ports import UNWATCHED
 from .callbacks import NanGuardCallback
 from .hooks_ran import HookCheckCallback, HooksRan
 from .port import TrainerPort, refuse_unsupported_backend
-from ..restarts.progress_callback import StepProgressCallback
+
 
 @dataclass
 class ClosedWindow:

@@ -21,11 +21,11 @@ from typing import Any
 
 from ...errors import TrainingDivergedError
 from ...runtime.events import EventLog, RunEvent
-from .frozen import repair_frozen
-from .source import RollbackSource, param_groups
 from ..policy import StepReading, Verdict
 from ..port import GuardPort
 from ..state import GuardState
+from .frozen import repair_frozen
+from .source import RollbackSource, param_groups
 
 logger = logging.getLogger("safe_trainers")
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from ...runtime.host_buffers import HostBuffers, copy_to_host
+from ...runtime.sharding import is_sharded, like, local, reshard
 from ..backends import Backend
 from .frozen import repair_frozen
 from .source import Snapshot, best_model_fields, kept_hyperparameters
-from ...runtime.host_buffers import HostBuffers, copy_to_host
-from ...runtime.sharding import is_sharded, like, local, reshard
 
 
 class HostSnapshot:

@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..backends import unwrap_optimizer
 from ...runtime.collectives import max_across_ranks, ranks_with_flag
-from ..policy import StepReading
 from ...runtime.sharding import replicated
+from ..backends import unwrap_optimizer
+from ..policy import StepReading
 from .skip import clear_found_inf, skip_if_faulted
 from .spikes import SpikeWindow
 

@@ -28,7 +28,6 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState
 
-
 SkipRoute = Literal["scaler", "found_inf", "drop_grads"]
 
 # (an enabled fp16 loss scaler drives the step, the optimizer skips on the device) -> route
