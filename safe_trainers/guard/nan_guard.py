@@ -160,14 +160,15 @@ class NanGuard:
         self.ledger.end_step(fault)
         return fault
 
-    def apply_skip(self, optimizer: Any) -> None:
-        """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
+    def apply_skip(self) -> None:
+        """Make the bound optimizer's `step()` a no-op when the step is a fault (after clipping, before the step)."""
         if not self.deepspeed:  # DeepSpeed skips them itself
-            self.flags.skip_update(optimizer, self.backend.scaler if self.backend is not None else None)
+            self.flags.skip_update(self.backend.optimizer, self.backend.scaler)
 
-    def after_update(self, optimizer: Any) -> None:
+    def after_update(self) -> None:
         """After `optimizer.step()`: take back what `apply_skip` handed the optimizer."""
-        self.flags.after_update(optimizer)
+        if not self.deepspeed:
+            self.flags.after_update(self.backend.optimizer)
 
     # ------------------------------------------------------------------ when to inspect
     def due(self, control: Any) -> tuple[bool, bool] | None:
