@@ -126,7 +126,7 @@ def spike_run_rolled_back(verdict: Verdict) -> bool:
 
 
 def diagnosed_step(verdict: Verdict) -> int | None:
-    """The step whose micro-batches the one-time NaN diagnosis replays (`localize.py`): the first skipped non-finite
+    """The step whose micro-batches the one-time NaN diagnosis replays (`diagnosis.py`): the first skipped non-finite
     step, else the first step of a fault found without one in this window (a run of skips begun earlier, a damaged
     state); `None` when nothing non-finite happened (a run of spiking steps is finite)."""
     if verdict.skipped:

@@ -9,7 +9,7 @@ cudagraph recording; nested compilations count once). [`CompileWatch`] registers
 
 * the hang watchdog stops the step's clock while a compilation runs (see `watchdog.py`);
 * the step record marks the step as compiling (phase `"compile"`), so a process that dies while compiling is not
-  counted as killed by the step's batches (see `step_record.py`): a step is never skipped because it compiled twice.
+  counted as killed by the step's batches (see `progress.py`): a step is never skipped because it compiled twice.
 """
 
 from __future__ import annotations

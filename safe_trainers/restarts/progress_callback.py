@@ -1,6 +1,6 @@
 """`StepProgressCallback`: keeps the step record on disk and skips the batches of a poisoned step.
 
-The record (see `step_record.py`) is rewritten by the main process when each optimizer step begins and ends, when torch
+The record (see `progress.py`) is rewritten by the main process when each optimizer step begins and ends, when torch
 begins and ends a compilation inside a step, when a checkpoint is published (the record lists the launch's
 checkpoints), and when training ends (with what `train()` returns). A step whose batches killed the process
 `skip_step_after_crashes` times in a row is *poisoned*: when it comes, its micro-batches are taken from the dataloader as usual (so every other step reads exactly

@@ -5,7 +5,7 @@ anything. torchrun's elastic agent (`torchrun --max-restarts N`, `accelerate lau
 workers again, with the same command line, and tells them so in `TORCHELASTIC_RESTART_COUNT` (its documented contract
 with the workers). With `resume_on_restart=True` such a restarted `train()` resumes from the newest complete and finite
 checkpoint of `output_dir` with nothing else passed, as `resume_from_checkpoint=True` does (see
-`checkpoint_choice.py`), and inherits the run's history of deaths (see `step_record.py`).
+`checkpoint_choice.py`), and inherits the run's history of deaths (see `progress.py`).
 
 It trusts only what its own launch wrote: the step record names the launch by what the elastic agent keeps across
 its restarts (see `launch.py`; never a parent process id or a file time), the script's `train()` call, and the
@@ -58,7 +58,7 @@ class ResumePlan:
         restart (`int`): the launcher's restart count (0: first start, or no elastic agent).
         passed_over ([`PassedOver`] tuple): newer checkpoints that were not usable, newest first, with the reason.
         history ([`History`]): what this process inherits from the run's earlier processes.
-        data (`str`): the run's data identity (see `step_record.data_identity`).
+        data (`str`): the run's data identity (see `progress.data_identity`).
         finished (`bool`): this `train()` call of the launch already finished before the restart: it trains no step
             and returns what it returned then (`history.result`).
     """

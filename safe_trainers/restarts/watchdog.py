@@ -32,7 +32,7 @@ under torchrun's elastic agent with restarts to give (or with `hang_action="exit
 collective that waits for it, pass the bound too and do the same; the agent then restarts the workers, which resume
 from the newest healthy checkpoint. The step record still names the step, so a hang counts like a crash for
 `skip_step_after_crashes`: a step that hangs twice in a row is skipped on the next attempt (a death while compiling
-never counts, see `step_record.py`).
+never counts, see `progress.py`).
 """
 
 from __future__ import annotations

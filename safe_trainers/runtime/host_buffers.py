@@ -1,6 +1,6 @@
 """Host memory for the guard's copies of device tensors: one buffer per dtype, sized exactly, a view for each tensor.
 
-The snapshot (`snapshot.py`) and the diagnosis's micro-batch copies (`localize.py`) keep device tensors in host
+The snapshot (`rollback/memory.py`) and the diagnosis's micro-batch copies (`diagnosis.py`) keep device tensors in host
 memory. Pinning one host tensor per tensor goes through CUDA's caching host allocator, which rounds every block up to
 a power of two and keeps it (a 37.7 MB tensor takes a 64 MB block): the memory held was up to twice the bytes
 copied. Here each dtype gets one plain host buffer of exactly the bytes its tensors need, allocated once for a layout

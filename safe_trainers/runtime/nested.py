@@ -1,6 +1,6 @@
 """Walking nested structures of tensors: dicts (and other mappings, such as `BatchEncoding`), lists and tuples.
 
-The one walker of the package: micro-batch inputs (`localize.py`), the optimizer state copied to host memory
+The one walker of the package: micro-batch inputs (`diagnosis.py`), the optimizer state copied to host memory
 (`host_buffers.py`) and the state dicts of checkpoint files (`restarts/checkpoint_choice.py`) are all read in the same
 order, the order in which [`map_tensors`] rebuilds them.
 """

@@ -3,7 +3,7 @@
 For runs whose weights and optimizer state do not fit in host memory next to training (large full fine-tunes),
 `nan_rollback_from="checkpoint"` keeps no snapshot in memory. A rollback then loads the weights and optimizer state
 of the newest checkpoint this run published or resumed from (every checkpoint is verified finite before it is
-published, see `trainer_hooks.py`), through the Trainer's own resume code (the integration layer loads it,
+published, see `trainer/hooks.py`), through the Trainer's own resume code (the integration layer loads it,
 `trainer/checkpoint_rollback.py`: this module chooses it and keeps the books), so every backend that resumes (single
 process, DDP, DeepSpeed ZeRO, FSDP2, PEFT adapters) rolls back the same way. An earlier run's checkpoints left in the
 same `output_dir` are never used. The contract is the in-memory one (weights and optimizer state come back, with the

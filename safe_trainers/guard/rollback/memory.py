@@ -5,7 +5,7 @@ optimizer state (moments and step counters) and the trainer's best-model bookkee
 are checked like the rest but never copied: if one is ever found damaged, a restore repairs it from its files or
 stops the run (`frozen.py`). A snapshot deliberately leaves out what belongs to the run's timeline rather than to the
 weights: `global_step`, the data position, the LR schedule position, the loss scaler's calibration, the RNG streams and
-the token/FLOP counters keep going (see `recovery.py`).
+the token/FLOP counters keep going (see `rollback/actions.py`).
 
 Tensors go to host memory: one buffer per dtype, sized exactly and reused from one snapshot to the next, each tensor a
 view of it (`host_buffers.py`); page-locked when a GPU is used, with non-blocking copies that queue behind the

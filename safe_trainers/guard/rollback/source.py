@@ -22,7 +22,7 @@ BEST_MODEL_FIELDS = ("best_metric", "best_global_step", "best_model_checkpoint")
 
 @dataclass
 class Snapshot:
-    """The last good training state (see `snapshot.py`). `step` is the optimizer step it was taken after.
+    """The last good training state (see `rollback/memory.py`). `step` is the optimizer step it was taken after.
 
     `placements` records, for each optimizer state tensor `(parameter index, key)`, the device it was copied from and
     whether it was a `DTensor`: a restore that finds no live tensor to copy into recreates it there. A source that

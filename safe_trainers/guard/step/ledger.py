@@ -4,7 +4,7 @@ The Trainer averages every step's loss between two logs, and `train_loss` over t
 has no applied update and usually a NaN loss, which would turn both averages into NaN (or, with
 `logging_nan_inf_filter`, into an invented value). The ledger keeps, on the device and without host synchronisation,
 the sum and count of the applied steps' losses; where a window held a skipped step, the Trainer's `log` (see
-`trainer_hooks.py`) reports the ledger's mean instead of its own. Windows without a skipped step keep the Trainer's own
+`trainer/hooks.py`) reports the ledger's mean instead of its own. Windows without a skipped step keep the Trainer's own
 value, bit for bit.
 """
 

@@ -2,7 +2,7 @@
 
 A step *spikes* when its loss or its (pre-clip) gradient norm lies more than `factor` standard deviations above the
 mean of the window (a one-sided z-score, as OLMo-core's skip-step optimizers judge it). The judgement is a device
-flag, folded into the step's skip flag where the non-finite skip happens (`step_flags.py`), so a spike is skipped
+flag, folded into the step's skip flag where the non-finite skip happens (`flags.py`), so a spike is skipped
 before its update with no host synchronisation. The values judged are the same on every rank (the gradient norm is
 reduced over the world, the loss is the largest rank's, agreed in the guard's one all-reduce), so every rank keeps the
 same window and skips alike.
