@@ -5,7 +5,7 @@ trainer: [`NanGuard`] reads the loop through a [`GuardPort`] and returns its dec
 integration layer (`safe_trainers/trainer/`) to carry out.
 
 Rooms: `nan_guard` (the doors), `policy` (the verdict and when to inspect, pure), `port` (what the guard reads and
-returns), `state` (what it saves with a checkpoint), `backends` (what it binds to), `diagnosis` (the recent batches and
+returns), `state` (what it saves with a checkpoint), `records` (the events and messages of what it did), `backends` (what it binds to), `diagnosis` (the recent batches and
 the replay's hooks); `step/` the per-step device path (flags, skip, spikes, the logged loss); `rollback/` the last good
 state (its sources in memory and on disk, frozen parameters, the actions on a verdict).
 """
@@ -16,7 +16,8 @@ from .diagnosis import localize
 from .nan_guard import NanGuard
 from .policy import StepReading, Verdict
 from .port import Decision, EndRestore, GuardPort, Judged
-from .rollback.actions import Restored, discarded_updates, record_rewards, refuse_save
+from .records import discarded_updates, record_rewards, refuse_save
+from .rollback.actions import Restored
 from .rollback.source import kept_hyperparameters, rollback_source
 from .state import GUARD_STATE_FILE, GuardState
 

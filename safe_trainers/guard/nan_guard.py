@@ -26,26 +26,11 @@ from ..runtime.finite import all_finite, deepspeed_state_tensors, optimizer_tens
 from ..runtime.ports import UNWATCHED, FlagRider, StepClock
 from .backends import Backend, unwrap_optimizer
 from .diagnosis import RecentBatches
-from .policy import (
-    can_roll_back,
-    diagnosed_step,
-    inspection_due,
-    judge_window,
-    spike_run_rolled_back,
-    unexplained_overflows,
-)
+from .policy import can_roll_back, diagnosed_step, inspection_due, judge_window, spike_run_rolled_back
+from .policy import unexplained_overflows
 from .port import Decision, EndRestore, GuardPort, Judged
-from .rollback.actions import (
-    Restored,
-    diverged_error,
-    nonfinite_start_message,
-    record_end_restore,
-    record_rollback,
-    record_window,
-    restore_last_good,
-    scale_learning_rate,
-    undo_backoff,
-)  # fmt: skip
+from .records import diverged_error, nonfinite_start_message, record_rollback, record_window
+from .rollback.actions import Restored, record_end_restore, restore_last_good, scale_learning_rate, undo_backoff
 from .rollback.checkpoint import CheckpointSource
 from .rollback.memory import HostSnapshot
 from .rollback.source import RollbackSource

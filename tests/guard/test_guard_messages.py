@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from safe_trainers.guard import read_events
-from safe_trainers.guard.rollback.actions import discarded_updates
+from safe_trainers.guard.records import discarded_updates
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
