@@ -29,12 +29,12 @@ def toy_models(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-# Property-based tests (tests/guard/test_guard_properties.py): a few derandomized examples by default, so CI is fast and
-# repeatable; `python -m pytest --hypothesis-profile=long tests/guard/test_guard_properties.py` explores many more.
+# Property-based tests (tests/guard/test_guard_properties.py): five derandomized examples per trainer kind by default,
+# so CI is repeatable; `python -m pytest --hypothesis-profile=long tests/guard/test_guard_properties.py` explores many more.
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _SLOW_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=2, derandomize=True, deadline=None, suppress_health_check=_SLOW_OK)
+settings.register_profile("ci", max_examples=5, derandomize=True, deadline=None, suppress_health_check=_SLOW_OK)
 settings.register_profile("long", max_examples=25, deadline=None, suppress_health_check=_SLOW_OK)
 settings.load_profile("ci")
 
