@@ -1,5 +1,5 @@
-"""A fake training loop around a [`NanGuard`], with no trainer: the guard's [`GuardPort`] over a tiny two-layer model, a
-real fused `AdamW`, a `transformers.TrainerState` and the CPU. [`Loop.step`] plays one optimizer step through the
+"""A fake training loop around a [`NanGuard`], with no trainer: the guard's [`GuardPort`] over a tiny two-layer model,
+a real fused `AdamW`, a `transformers.TrainerState` and the CPU. [`Loop.step`] plays one optimizer step through the
 guard's doors in the order the integration layer calls them (`safe_trainers/trainer/hooks.py`, `callbacks.py`), with
 faults fired at their steps; [`Loop.inspect`] plays one inspection as `trainer/inspection.py` does (judge, replay the
 faulted step for its diagnosis, settle, restore), leaving out only what needs a trainer (loading and saving
