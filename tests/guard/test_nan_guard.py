@@ -40,16 +40,6 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors on one thread: handing them to torch's thread pool costs more than the work (a fused AdamW step
-    of the tiny model takes ~10 ms on two busy cores, 0.1 ms on one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------------------------------- start
 def test_begin_binds_to_the_optimizer_and_snapshots_the_starting_state(tmp_path):
     """`begin` also answers whether the caller must publish a starting checkpoint: not with the memory source."""
