@@ -60,6 +60,7 @@ class CheckpointSource:
         self.output_dir = output_dir
         self.snapshot = Snapshot()
         self.good: list[str] = []
+        self.loading: str | None = None  # the checkpoint `to_load` named last
         if resumed_from is not None and os.path.isdir(resumed_from):
             self.good.append(resumed_from)
 
@@ -99,13 +100,14 @@ class CheckpointSource:
             self.events.add(RunEvent(step, "abort", ["weights_or_optimizer_state"], [], detail))
             message = no_good_state_message(self.good, step, self.output_dir)
             raise TrainingDivergedError(message, checkpoint_dir=None, report_path=self.events.path)
+        self.loading = path
         return path
 
     def restore(self, state: Any) -> Snapshot:
         """After the caller loaded the weights and optimizer state of [`to_load`]'s checkpoint (keeping the LR
         schedule and the optimizer's hyperparameters as they are now): take the checkpoint's best-model fields, and
         repair a damaged parameter it does not hold (a PEFT checkpoint holds the adapters only)."""
-        path = self.newest_good(state.global_step)
+        path = self.loading  # the checkpoint `to_load` named, which the caller loaded
         with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
             saved = json.load(f)
         for key in BEST_MODEL_FIELDS:
