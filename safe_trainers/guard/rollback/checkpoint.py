@@ -107,7 +107,8 @@ class CheckpointSource:
         """After the caller loaded the weights and optimizer state of [`to_load`]'s checkpoint (keeping the LR
         schedule and the optimizer's hyperparameters as they are now): take the checkpoint's best-model fields, and
         repair a damaged parameter it does not hold (a PEFT checkpoint holds the adapters only)."""
-        path = self.loading  # the checkpoint `to_load` named, which the caller loaded
+        # The checkpoint `to_load` named and the caller loaded (not looked up again: it may be rotated away since).
+        path, self.loading = self.loading or self.newest_good(state.global_step), None
         with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
             saved = json.load(f)
         for key in BEST_MODEL_FIELDS:
