@@ -13,8 +13,8 @@ from dataclasses import replace
 from typing import TypeVar
 
 from ..arguments import SafetyArguments
-from ..errors import SafetyError
-from .report import TRAINER_OPT_OUT, Finding, OptOut, SafetyReport
+from ..errors import TRAINER_OPT_OUT, OptOut, SafetyError
+from .report import Finding, SafetyReport
 from . import DEFAULT_RULES, Rule, check_disabled_ids
 
 
