@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
-from safe_trainers.guard.snapshot_memory import RunShape, memory_table, per_node_bytes, per_rank_bytes
+from safe_trainers.rules.snapshot_size import RunShape, memory_table, per_node_bytes, per_rank_bytes
 from safe_trainers.rules.stages import snapshot_facts
 from safe_trainers.testing.build import build_trainer
 
