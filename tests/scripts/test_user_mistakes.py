@@ -14,7 +14,7 @@ import pytest
 from safe_trainers.cli.main import main as cli
 from safe_trainers.scripts import entry, places
 from safe_trainers.scripts.inputs import Facts, judge, resume_target
-from safe_trainers.scripts.launch import main
+from safe_trainers.scripts.pipeline import main
 
 
 ROOT = Path(__file__).resolve().parents[2]
