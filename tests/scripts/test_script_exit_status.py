@@ -1,4 +1,5 @@
-"""The launch scripts answer a user's mistake with one message and exit status 2, never a traceback (issue 23, item 1).
+"""The launch scripts as programs: a user's mistake is one message and exit status 2, never a traceback, and a bug
+keeps its traceback (issue 23, item 1). The inputs each check refuses, in process: `test_refused_inputs.py`.
 
 Each row of the issue's table, run as a user runs it: `python launch/train_dpo.py ... --max_steps 2` in a fresh
 process, on a tiny local model and local JSONL files. Before the fix each of these ended in a Python traceback
