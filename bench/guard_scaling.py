@@ -10,7 +10,7 @@ wall time far more than the work this process does (`--clock wall --threads 2` f
 
 Prints a markdown table. What it should show: the guard's per-step cost (safe - stock) stays flat, a few ms whatever
 the size, so its ratio to a step tends to 1; the snapshot's cost grows linearly with the state it copies (about
-constant ms per MB). The last column is `safe_trainers.guard.snapshot_memory`'s estimate of the snapshot (fp32 weights
+constant ms per MB). The last column is `safe_trainers.rules.snapshot_size`'s estimate of the snapshot (fp32 weights
 and two fp32 AdamW moments, 12 bytes per parameter), next to what the snapshot really holds (which adds AdamW's step
 counters).
 
@@ -42,7 +42,7 @@ from workload import (
     time_snapshot,
 )
 
-from safe_trainers.guard.snapshot_memory import RunShape, per_rank_bytes
+from safe_trainers.rules.snapshot_size import RunShape, per_rank_bytes
 
 
 # `cpu`: the CPU time of this process, which other processes on a shared machine inflate far less than wall time.

@@ -1,7 +1,8 @@
 """Safe trainer configs: TRL's configs with the [`SafetyArguments`] fields added.
 
 Drop-in: `from safe_trainers import DPOConfig` instead of `from trl import DPOConfig`; every TRL field keeps its name,
-default and CLI flag.
+default and CLI flag. A safe config refuses, when it is built, every invalid safety field: the fields' own checks
+(`arguments.py`) and those that need the rules or the signal table (an unknown rule id, an unknown signal, below).
 """
 
 from __future__ import annotations
@@ -13,8 +14,26 @@ import trl
 from .arguments import SafetyArguments, validate_safety_arguments
 from .errors import SafetyError
 from .kinds import get_kind
+from .restarts.preemption import parse_signals
+from .rules import check_disabled_ids
 from .rules.report import Finding
 from .rules.grpo import CHECKED_GROUP, GroupSize, group_checked, group_size_problems, group_values
+
+
+def check_settings(settings: SafetyArguments) -> None:
+    """Raise a `ValueError` for a rule id in `safety_disable_rules` that no rule has (listing the valid ids) or a
+    signal in `preempt_signals` that is not one (`parse_signals`). The fields' own checks run before, in
+    [`SafetyArguments`]."""
+    check_disabled_ids(settings.safety_disable_rules)
+    parse_signals(settings.preempt_signals)
+
+
+class SettingChecks:
+    """Runs [`check_settings`] on a safe config, after its fields' own checks and before TRL's `__post_init__`."""
+
+    def __post_init__(self):
+        check_settings(self)
+        super().__post_init__()
 
 
 class GroupChecks:
@@ -27,6 +46,7 @@ class GroupChecks:
 
     def __post_init__(self):
         validate_safety_arguments(self)
+        check_settings(self)
         if self.safety_mode == "off" or GroupSize.id in self.safety_disable_rules or group_checked(self):
             return super().__post_init__()
         problems = group_size_problems(*group_values(self))
@@ -47,27 +67,27 @@ class GroupChecks:
 
 
 @dataclass
-class SFTConfig(SafetyArguments, trl.SFTConfig):
+class SFTConfig(SafetyArguments, SettingChecks, trl.SFTConfig):
     """[`~trl.SFTConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
 
 
 @dataclass
-class RewardConfig(SafetyArguments, trl.RewardConfig):
+class RewardConfig(SafetyArguments, SettingChecks, trl.RewardConfig):
     """[`~trl.RewardConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
 
 
 @dataclass
-class DPOConfig(SafetyArguments, trl.DPOConfig):
+class DPOConfig(SafetyArguments, SettingChecks, trl.DPOConfig):
     """[`~trl.DPOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
 
 
 @dataclass
-class KTOConfig(SafetyArguments, trl.KTOConfig):
+class KTOConfig(SafetyArguments, SettingChecks, trl.KTOConfig):
     """[`~trl.KTOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`)."""
 
 
 @dataclass
-class GRPOConfig(GroupChecks, SafetyArguments, trl.GRPOConfig):
+class GRPOConfig(GroupChecks, SafetyArguments, SettingChecks, trl.GRPOConfig):
     """[`~trl.GRPOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`).
 
     The `grpo.group_size` rule runs here too (see [`GroupChecks`]).
@@ -75,7 +95,7 @@ class GRPOConfig(GroupChecks, SafetyArguments, trl.GRPOConfig):
 
 
 @dataclass
-class RLOOConfig(GroupChecks, SafetyArguments, trl.RLOOConfig):
+class RLOOConfig(GroupChecks, SafetyArguments, SettingChecks, trl.RLOOConfig):
     """[`~trl.RLOOConfig`] plus the [`SafetyArguments`] fields (`safety_mode`, `safety_disable_rules`, `nan_*`).
 
     The `grpo.group_size` rule runs here too (see [`GroupChecks`]).

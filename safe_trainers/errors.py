@@ -2,15 +2,45 @@
 
 Each keeps the exception type that TRL and transformers raise for the same class of problem, so code that already
 catches those keeps working: a configuration problem is a `ValueError`, a failed run is a `RuntimeError`.
+
+The findings a [`SafetyError`] lists are the rules' (`rules/report.py`, which imports from here, never the reverse);
+the opt-out wording its message ends with ([`OptOut`]) lives here, and the rules' report reuses it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from .rules.report import Finding, OptOut
+    from .rules.report import Finding
+
+
+@dataclass(frozen=True)
+class OptOut:
+    """How a user switches rules off where a refusal ([`SafetyError`]) or a report is read: config fields for the
+    trainers, flags for the shim.
+
+    Args:
+        setting (`str`): the setting that lists the skipped rules, e.g. "`safety_disable_rules`".
+        disable (`str`): how to skip one rule, e.g. "`safety_disable_rules=[<rule id>]`".
+        mode (`str`): how to set the mode, with `{mode}` for the value, e.g. '`safety_mode="{mode}"`'.
+    """
+
+    setting: str
+    disable: str
+    mode: str
+
+    def set_mode(self, mode: str) -> str:
+        return self.mode.format(mode=mode)
+
+
+TRAINER_OPT_OUT = OptOut(
+    setting="`safety_disable_rules`",
+    disable="`safety_disable_rules=[<rule id>]` (CLI: `--safety_disable_rules <rule id>`)",
+    mode='`safety_mode="{mode}"`',
+)
 
 
 class SafetyError(ValueError):
@@ -24,10 +54,8 @@ class SafetyError(ValueError):
     """
 
     def __init__(
-        self, findings: "tuple[Finding, ...] | list[Finding]", header: str | None = None, opt_out: "OptOut | None" = None
+        self, findings: "tuple[Finding, ...] | list[Finding]", header: str | None = None, opt_out: OptOut | None = None
     ):
-        from .rules.report import TRAINER_OPT_OUT
-
         self.findings = tuple(findings)
         self.opt_out = opt_out or TRAINER_OPT_OUT
         count = len(self.findings)

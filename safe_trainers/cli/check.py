@@ -152,7 +152,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..kinds import get_kind
     from ..redact import hide_in_text
     from ..scripts.rewards import unbuilt_reward_warning
-    from ..scripts.launch import has_accelerator, model_and_peft, parse_args
+    from ..scripts.pipeline import has_accelerator, model_and_peft, parse_args
     from ..scripts.preflight import check_argv, settings_problems
     from ..rules.context import build_setup
     from ..rules.stages import built_rule_ids, run_setup_rules

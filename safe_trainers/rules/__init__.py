@@ -59,4 +59,13 @@ def get_rule(rule_id: str) -> Rule:
     raise KeyError(f"Unknown rule id {rule_id!r}. Valid ids are: {', '.join(rule_ids())}.")
 
 
-__all__ = ["ALL_TRAINERS", "DEFAULT_RULES", "BuiltTrainer", "Rule", "get_rule", "rule_ids"]
+def check_disabled_ids(disabled: list[str]) -> None:
+    """Raise a `ValueError` listing the valid ids if `safety_disable_rules` names a rule that does not exist."""
+    unknown = sorted(set(disabled) - set(rule_ids()))
+    if unknown:
+        raise ValueError(
+            f"`safety_disable_rules` contains unknown rule ids {unknown}. Valid ids are: {', '.join(rule_ids())}."
+        )
+
+
+__all__ = ["ALL_TRAINERS", "DEFAULT_RULES", "BuiltTrainer", "Rule", "check_disabled_ids", "get_rule", "rule_ids"]

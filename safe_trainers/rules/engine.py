@@ -13,9 +13,9 @@ from dataclasses import replace
 from typing import TypeVar
 
 from ..arguments import SafetyArguments
-from ..errors import SafetyError
-from .report import TRAINER_OPT_OUT, Finding, OptOut, SafetyReport
-from . import DEFAULT_RULES, Rule
+from ..errors import TRAINER_OPT_OUT, OptOut, SafetyError
+from .report import Finding, SafetyReport
+from . import DEFAULT_RULES, Rule, check_disabled_ids
 
 
 T = TypeVar("T")
@@ -24,7 +24,10 @@ T = TypeVar("T")
 def select_rules(
     kind: str, settings: SafetyArguments, rules: Iterable[Rule] = DEFAULT_RULES
 ) -> tuple[list[Rule], list[Rule]]:
-    """The rules that apply to `kind`, split into `(enabled, disabled by the user)`."""
+    """The rules that apply to `kind`, split into `(enabled, disabled by the user)`. A disabled id that no rule has
+    raises a `ValueError` listing the valid ids (settings read from a config that is not a safe config, whose own
+    construction checks them)."""
+    check_disabled_ids(settings.safety_disable_rules)
     applicable = [r for r in rules if kind in r.trainers]
     disabled = set(settings.safety_disable_rules)
     return [r for r in applicable if r.id not in disabled], [r for r in applicable if r.id in disabled]

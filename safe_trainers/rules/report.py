@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..errors import TRAINER_OPT_OUT, OptOut
 from ..runtime.files import write_text_no_follow
 from ..redact import mask_secret
 
@@ -19,29 +20,6 @@ from ..redact import mask_secret
 Action = Literal["fixed", "warned", "blocked", "skipped"]
 
 
-@dataclass(frozen=True)
-class OptOut:
-    """How a user switches rules off where the report is read: config fields for the trainers, flags for the shim.
-
-    Args:
-        setting (`str`): the setting that lists the skipped rules, e.g. "`safety_disable_rules`".
-        disable (`str`): how to skip one rule, e.g. "`safety_disable_rules=[<rule id>]`".
-        mode (`str`): how to set the mode, with `{mode}` for the value, e.g. '`safety_mode="{mode}"`'.
-    """
-
-    setting: str
-    disable: str
-    mode: str
-
-    def set_mode(self, mode: str) -> str:
-        return self.mode.format(mode=mode)
-
-
-TRAINER_OPT_OUT = OptOut(
-    setting="`safety_disable_rules`",
-    disable="`safety_disable_rules=[<rule id>]` (CLI: `--safety_disable_rules <rule id>`)",
-    mode='`safety_mode="{mode}"`',
-)
 SHIM_OPT_OUT = OptOut(
     setting="`--safety-disable-rules`", disable="`--safety-disable-rules <rule id>`", mode="`--safety-mode {mode}`"
 )

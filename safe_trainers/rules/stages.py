@@ -110,7 +110,7 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
     available now (read from the built trainer and the machine: the action side of a pure check)."""
     import psutil
 
-    from ..guard.snapshot_memory import RunShape, per_node_bytes
+    from .snapshot_size import RunShape, per_node_bytes
 
     params = list(trainer.model.parameters())
     trainable = [p for p in params if p.requires_grad]

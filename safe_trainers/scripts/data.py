@@ -14,7 +14,7 @@ from .places import DATA_FILE_BUILDERS
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from .launch import ScriptArguments
+    from .arguments import ScriptArguments
 
 
 def load_split(kind: str, script_args: ScriptArguments, split: str) -> Dataset:

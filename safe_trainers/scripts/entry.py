@@ -19,9 +19,9 @@ USAGE_ERROR = 2  # argparse's status for a usage error, kept for every mistake i
 
 
 def run(kind: str, argv: list[str] | None = None) -> None:
-    """Run [`~safe_trainers.scripts.launch.main`] for `kind` as a program: exit 0 after training, 2 on a user's
+    """Run [`~safe_trainers.scripts.pipeline.main`] for `kind` as a program: exit 0 after training, 2 on a user's
     mistake (with its message on stderr)."""
-    from .launch import main
+    from .pipeline import main
 
     try:
         main(kind, argv)

@@ -1,8 +1,8 @@
 """The input checks at work: observe this machine, judge each stage with the table of
 [`~safe_trainers.scripts.inputs`], and raise one [`InputError`] per stage with every problem found.
 
-Shared by the launch scripts (`scripts.launch`, every problem is fatal) and `safe-trainers check` (a problem with what
-this machine holds is a note there).
+Shared by the launch scripts (`scripts.pipeline`, every problem is fatal) and `safe-trainers check` (a problem with
+what this machine holds is a note there).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def test_trust_remote_code_in_model_init_kwargs_is_read_as_data_too(toy_models, 
 
 
 def test_the_launch_scripts_still_apply_env_as_trl_does(tmp_path, monkeypatch):
-    from safe_trainers.scripts.launch import parse_args
+    from safe_trainers.scripts.pipeline import parse_args
 
     for name in (ENV_VAR, "HF_TOKEN"):  # set then unset: the original state (unset or not) comes back afterwards
         monkeypatch.setenv(name, "before")

@@ -11,7 +11,7 @@ import pytest
 from safe_trainers.arguments import SafetyArguments
 from safe_trainers.guard import read_events
 from safe_trainers.guard.rollback.source import rollback_source
-from safe_trainers.guard.snapshot_memory import RunShape, per_node_bytes
+from safe_trainers.rules.snapshot_size import RunShape, per_node_bytes
 from safe_trainers.rules.memory import HOST_MEMORY_SHARE, SnapshotFits
 from safe_trainers.rules.report import Change, Finding
 from safe_trainers.rules.stages import built_view

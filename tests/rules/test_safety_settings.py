@@ -10,6 +10,7 @@ from safe_trainers import (
     DPOConfig, GRPOConfig, KTOConfig, RewardConfig, SafetyArguments, SafetyError, TrainingDivergedError,
 )  # fmt: skip
 from safe_trainers.kinds import TRAINER_KINDS
+from safe_trainers.rules.engine import select_rules
 from safe_trainers.rules.report import Finding
 
 from rule_utils import EXPECTED_IDS, OUT, make_args  # tests/ is on sys.path, as for conftest
@@ -36,8 +37,8 @@ def test_unknown_rule_id_from_config_object():
     with pytest.raises(
         ValueError,
         match=r"unknown rule ids \['also.nope', 'nope'\]\. Valid ids are: .*precision.fp32_trainable_params",
-    ):
-        SafetyArguments.from_config(Launcher())
+    ):  # read from a config that is not a safe config, the ids are checked where the rules are chosen
+        select_rules("dpo", SafetyArguments.from_config(Launcher()))
 
 
 def test_from_config_defaults_for_plain_trl_config():

@@ -18,7 +18,7 @@ from safe_trainers.scripts.arguments import ScriptArguments
 from safe_trainers.scripts.config_keys import RETIRED, field_names, leftover_settings, unknown_key_problems
 from safe_trainers.scripts.entry import run
 from safe_trainers.scripts.inputs import InputError
-from safe_trainers.scripts.launch import main
+from safe_trainers.scripts.pipeline import main
 from safe_trainers.testing import toy
 
 

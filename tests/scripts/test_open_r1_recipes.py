@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from safe_trainers.cli.main import main as cli
-from safe_trainers.scripts.launch import main
+from safe_trainers.scripts.pipeline import main
 from safe_trainers.testing import toy
 
 

@@ -1,5 +1,5 @@
-"""`safe_trainers.scripts.launch` in-process: parse a YAML config plus overrides, load local data, train a few steps, save,
-and report; plus the dataset sources, the reward functions and the argument errors."""
+"""`safe_trainers.scripts.pipeline` in-process: parse a YAML config plus overrides, load local data, train a few steps,
+save, and report; plus the dataset sources, the reward functions and the argument errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from safe_trainers.scripts import rewards
 from safe_trainers.testing import toy
-from safe_trainers.scripts.launch import ScriptArguments, load_train_dataset, main, model_and_peft, parse_args
+from safe_trainers.scripts.pipeline import ScriptArguments, load_train_dataset, main, model_and_peft, parse_args
 
 
 ROOT = Path(__file__).resolve().parents[2]

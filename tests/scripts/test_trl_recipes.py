@@ -13,7 +13,7 @@ import trl.rewards
 from safe_trainers.scripts import rewards
 from safe_trainers.testing import toy
 from safe_trainers.cli.main import main as cli
-from safe_trainers.scripts.launch import main
+from safe_trainers.scripts.pipeline import main
 
 
 QUICK = [

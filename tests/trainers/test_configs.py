@@ -18,7 +18,7 @@ from net_utils import free_port
 from safe_trainers.testing import toy
 from safe_trainers.arguments import SafetyArguments
 from safe_trainers.rules.stages import run_setup_rules
-from safe_trainers.scripts.launch import model_and_peft, parse_args
+from safe_trainers.scripts.pipeline import model_and_peft, parse_args
 from safe_trainers.rules.context import TrainerSetup, build_setup, load_deepspeed_config
 
 

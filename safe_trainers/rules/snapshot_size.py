@@ -1,4 +1,5 @@
-"""Host memory the NaN guard's snapshot needs, per rank and per node, estimated from the shape of a run.
+"""Host memory the NaN guard's snapshot needs, per rank and per node, estimated from the shape of a run: the estimate
+the `memory.snapshot_fits` rule (`memory.py`) compares with the host memory available.
 
 A snapshot ([`HostSnapshot`]) holds, in host memory (pinned on GPU machines), what the optimizer can change:
 
@@ -9,14 +10,14 @@ A snapshot ([`HostSnapshot`]) holds, in host memory (pinned on GPU machines), wh
   master).
 
 DDP keeps all of it whole on every rank; ZeRO and FSDP2 shard it over the data-parallel ranks, each rank copying
-only its own shard. The tensors live in one buffer per dtype, sized exactly (`host_buffers.py`), so these are the
-bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out. Built from a trainer
+only its own shard. The tensors live in one buffer per dtype, sized exactly (the guard's `host_buffers.py`), so these
+are the bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out. Built from a trainer
 (`rules/stages.py::snapshot_facts`), one process and DDP count each trainable parameter in its own dtype
 (`RunShape.trainable_bytes`: a bf16 full fine-tune holds 6 bytes a parameter, not 10).
 
 Example:
     ```python
-    >>> from safe_trainers.guard.snapshot_memory import RunShape, per_rank_bytes
+    >>> from safe_trainers.rules.snapshot_size import RunShape, per_rank_bytes
     >>> per_rank_bytes(RunShape("7B LoRA", 7_000_000_000, 40_000_000, "fsdp2", world_size=8)) / 2**30
     0.0558...
     ```

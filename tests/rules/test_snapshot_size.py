@@ -1,4 +1,4 @@
-"""The snapshot's host memory (`safe_trainers.guard.snapshot_memory`): the estimate by hand, the estimate against a
+"""The snapshot's host memory (`safe_trainers.rules.snapshot_size`): the estimate by hand, the estimate against a
 real snapshot, and the table in docs/guard.md generated from it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
-from safe_trainers.guard.snapshot_memory import RunShape, memory_table, per_node_bytes, per_rank_bytes
+from safe_trainers.rules.snapshot_size import RunShape, memory_table, per_node_bytes, per_rank_bytes
 from safe_trainers.rules.stages import snapshot_facts
 from safe_trainers.testing.build import build_trainer
 

@@ -1,4 +1,5 @@
-"""The launch scripts answer a user's mistake with one message and exit status 2, never a traceback (issue 23, item 1).
+"""The launch scripts as programs: a user's mistake is one message and exit status 2, never a traceback, and a bug
+keeps its traceback (issue 23, item 1). The inputs each check refuses, in process: `test_refused_inputs.py`.
 
 Each row of the issue's table, run as a user runs it: `python launch/train_dpo.py ... --max_steps 2` in a fresh
 process, on a tiny local model and local JSONL files. Before the fix each of these ended in a Python traceback
@@ -123,15 +124,15 @@ def hub_unreachable(tmp_path: Path) -> dict[str, str | None]:
 
 def test_a_bug_still_shows_its_traceback(monkeypatch, capsys):
     """Only a user's mistake becomes a message and exit 2: any other exception leaves `run` as it is (a traceback)."""
-    from safe_trainers.scripts import entry, launch
+    from safe_trainers.scripts import entry, pipeline
 
     def broken(kind, argv=None):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(launch, "main", broken)
+    monkeypatch.setattr(pipeline, "main", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         entry.run("dpo", [])
-    monkeypatch.setattr(launch, "main", lambda kind, argv=None: (_ for _ in ()).throw(InputError(text="bad")))
+    monkeypatch.setattr(pipeline, "main", lambda kind, argv=None: (_ for _ in ()).throw(InputError(text="bad")))
     with pytest.raises(SystemExit) as exit_:
         entry.run("dpo", [])
     assert exit_.value.code == 2 and capsys.readouterr().err == "train_dpo: error: bad\n"

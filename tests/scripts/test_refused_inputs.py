@@ -1,6 +1,8 @@
-"""More of the user's mistakes the launch scripts answer with one message and exit status 2 (issue 23, item 1), found
-by trying to break that contract; run in process through the scripts' entry point (`launch/train_<kind>.py` is
-`entry.run(kind)`), and in `safe-trainers check` where it judges the same setting."""
+"""The inputs the launch scripts refuse (model and reward directories, data files and splits, resume targets, flags,
+config and DeepSpeed files), each with one message and exit status 2, and their working neighbours accepted (issue 23,
+item 1, found by trying to break that contract; the exit status as a program: `test_script_exit_status.py`). Run in
+process through the scripts' entry point (`launch/train_<kind>.py` is `entry.run(kind)`), and in `safe-trainers check`
+where it judges the same setting."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 from safe_trainers.cli.main import main as cli
 from safe_trainers.scripts import entry, places
 from safe_trainers.scripts.inputs import Facts, judge, resume_target
-from safe_trainers.scripts.launch import main
+from safe_trainers.scripts.pipeline import main
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,5 @@
-"""Shared logic of the launch scripts (`launch/train_<kind>.py`) and of `safe-trainers check`.
+"""The launch scripts' pipeline (`launch/train_<kind>.py`): parse, build, train, save; shared with `safe-trainers
+check`.
 
 A script is `main(kind)`: parse a YAML `--config` plus command-line overrides with TRL's parser into
 `(ScriptArguments, <safe config>, ModelConfig)`, load the model path, PEFT config and training dataset, build the
