@@ -25,11 +25,11 @@ from gpu_utils import StepStates
 
 MAX_STEPS = 6
 FAULT_STEP = 3
-HOT_PATH = ("record_inputs", "observe_loss", "end_of_step", "apply_skip", "at_boundary")
+HOT_PATH = ("record_inputs", "observe_loss", "end_of_step", "apply_skip", "due")
 
 
 def watch_guard(trainer, monkeypatch) -> SyncWatch:
-    """Watch the guard's hot-path methods; the last step's `at_boundary`, which inspects, runs unwatched."""
+    """Watch the guard's hot-path methods; the last step's `due`, which has it inspected, runs unwatched."""
     watch = SyncWatch(monkeypatch)
     # `train()` makes a new `trainer.state`: read it at each call
     watch.watch_methods(
@@ -106,7 +106,7 @@ def test_no_host_sync_per_step_and_the_fault_is_skipped_on_the_device(toy_models
     trainer.add_callback(states)
     watch = watch_guard(trainer, monkeypatch)
     trainer.train()  # raises if any watched call synchronises implicitly
-    assert watch.calls == {name: MAX_STEPS for name in HOT_PATH} | {"at_boundary": MAX_STEPS - 1}
+    assert watch.calls == {name: MAX_STEPS for name in HOT_PATH} | {"due": MAX_STEPS - 1}
     assert watch.explicit == []
     assert (FAULT_STEP, "loss") in trainer.fault_injector.injected
     guard = trainer.nan_guard.state

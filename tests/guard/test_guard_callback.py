@@ -5,48 +5,57 @@ and before the Trainer saves; the skip flag goes to the optimizer the Trainer pa
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_callback import DefaultFlowCallback
 
-from safe_trainers.trainer.callbacks import NanGuardCallback
 from safe_trainers.testing.build import build_trainer
+from safe_trainers.trainer import callbacks as callback_module
+from safe_trainers.trainer.callbacks import NanGuardCallback
 
 
 class RecordingGuard:
-    """Stands in for a [`NanGuard`] to see which of its methods each event calls, with what (the trainer is real
-    elsewhere in this file)."""
+    """Stands in for a [`NanGuard`] to see which of its doors each event calls, with what (the trainer is real
+    elsewhere in this file); `due` answers in turn from `due`."""
 
-    def __init__(self, optimizer):
+    def __init__(self, due: list[tuple[bool, bool] | None]):
         self.calls: list[tuple] = []
-        self.trainer = type("Trainer", (), {"optimizer": optimizer})()
-        guard = self
-
-        class Flags:
-            def after_update(self, optimizer):
-                guard.calls.append(("after_update", optimizer))
-
-        self.flags = Flags()
-
-    def begin(self):
-        self.calls.append(("begin",))
+        self.answers = list(due)
 
     def apply_skip(self, optimizer):
         self.calls.append(("apply_skip", optimizer))
 
-    def at_boundary(self, control):
-        self.calls.append(("at_boundary", control))
+    def after_update(self, optimizer):
+        self.calls.append(("after_update", optimizer))
 
-    def inspect(self, control):
-        self.calls.append(("inspect", control))
+    def due(self, control):
+        self.calls.append(("due", control))
+        return self.answers.pop(0)
 
 
-def test_each_trainer_event_calls_its_guard_method():
+class RecordingInspection:
+    """Stands in for `trainer/inspection.py` (what the callback has carried out on the trainer), recording into the
+    guard's calls."""
+
+    def __init__(self, guard: RecordingGuard):
+        self.guard = guard
+
+    def begin(self, trainer):
+        self.guard.calls.append(("begin", trainer))
+
+    def inspect(self, trainer, verify=False, snapshot=False, fresh=False):
+        self.guard.calls.append(("inspect", trainer, verify, snapshot, fresh))
+
+
+def test_each_trainer_event_calls_its_guard_method(monkeypatch):
     own, passed = object(), object()
-    guard = RecordingGuard(own)
-    callback = NanGuardCallback(guard)
+    guard = RecordingGuard(due=[(True, False), None])  # the step's end: due (verify, no snapshot); the epoch's: not
+    trainer = SimpleNamespace(optimizer=own, safe_run=SimpleNamespace(guard=guard))
+    monkeypatch.setattr(callback_module, "inspection", RecordingInspection(guard))  # this module's name only
+    callback = NanGuardCallback(trainer)
     args, state, control = None, TrainerState(), TrainerControl()
     callback.on_train_begin(args, state, control)
     callback.on_pre_optimizer_step(args, state, control, optimizer=passed)
@@ -57,17 +66,18 @@ def test_each_trainer_event_calls_its_guard_method():
     callback.on_epoch_end(args, state, control)
     callback.on_train_end(args, state, control)
     assert guard.calls == [
-        ("begin",),
+        ("begin", trainer),
         ("apply_skip", passed), ("after_update", passed),
         ("apply_skip", own), ("after_update", own),
-        ("at_boundary", control),  # the step's and the epoch's end: inspect when due, with the flow's decisions
-        ("at_boundary", control),
-        ("inspect", control),  # the end of training: whatever is pending
+        ("due", control),  # the step's and the epoch's end: inspect when due, with the flow's decisions
+        ("inspect", trainer, True, False, False),
+        ("due", control),
+        ("inspect", trainer, False, False, False),  # the end of training: whatever is pending
     ]  # fmt: skip
     # The events the guard has no part in call nothing.
     for event in ("on_step_begin", "on_log", "on_save", "on_evaluate", "on_substep_end", "on_epoch_begin"):
         getattr(callback, event)(args, state, control)
-    assert len(guard.calls) == 8
+    assert len(guard.calls) == 9
 
 
 @pytest.fixture
@@ -116,18 +126,30 @@ def test_the_guard_sees_the_flow_callbacks_decisions_and_inspects_before_the_sav
     ours = next(i for i, cb in enumerate(callbacks) if isinstance(cb, NanGuardCallback))
     assert flow < ours
 
-    guard, seen = trainer.nan_guard, []
-    real_at_boundary = guard.at_boundary
+    guard, seen, judged = trainer.nan_guard, [], []
+    real_judge = guard.judge
 
-    def at_boundary(control):
-        step = trainer.state.global_step
-        before = (control.should_log, control.should_save, control.should_training_stop)
-        verdict = real_at_boundary(control)
-        published = os.path.isdir(out / f"checkpoint-{step}")
-        seen.append((step, *before, verdict is not None, guard.snapshotter.snapshot.step, published))
+    def judge(*args, **kwargs):
+        verdict = real_judge(*args, **kwargs)
+        judged.append(verdict)
         return verdict
 
-    guard.at_boundary = at_boundary  # this guard object's own method, wrapped to see what it saw
+    guard.judge = judge  # this guard object's own method, wrapped to see whether it judged
+
+    def at_boundary(event):
+        def seeing(args, state, control, **kwargs):
+            step = state.global_step
+            before = (control.should_log, control.should_save, control.should_training_stop)
+            judged.clear()
+            event(args, state, control, **kwargs)
+            published = os.path.isdir(out / f"checkpoint-{step}")
+            inspected = any(verdict is not None for verdict in judged)
+            seen.append((step, *before, inspected, guard.snapshotter.snapshot.step, published))
+
+        return seeing
+
+    callback = callbacks[ours]  # this callback object's own events, wrapped to see what the guard saw
+    callback.on_step_end, callback.on_epoch_end = at_boundary(callback.on_step_end), at_boundary(callback.on_epoch_end)
     trainer.train()
     # (step, should_log, should_save, should_training_stop, inspected, snapshot step after it, checkpoint on disk)
     assert seen == [

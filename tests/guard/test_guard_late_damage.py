@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 from safe_trainers.guard import read_events
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import first_frozen_matrix
+from safe_trainers.trainer import inspection
 
 
 class DamageAfterTheGuard(TrainerCallback):
@@ -81,7 +82,7 @@ def test_the_end_check_leaves_a_healthy_run_alone(toy_models, tmp_path):
     trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", max_steps=4, save_steps=4)
     trainer.train()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.nan_guard.finish()  # what `train()` did at its end: no event, no change
+    inspection.finish(trainer)  # what `train()` did at its end: no event, no change
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     assert not [e for e in read_events(str(tmp_path)) if e["kind"] == "restore"]
 

@@ -154,12 +154,12 @@ def test_a_sealed_copy_damaged_since_never_replaces_a_complete_one(finished_run,
 
 RECORD_SCRIPT = r"""
 import os
-from safe_trainers.trainer import checkpoints as trainer_checkpoints
+from safe_trainers.trainer import checkpoints
 from safe_trainers.testing.build import build_trainer
 
 def die(*args, **kwargs):
     os._exit(9)  # killed once checkpoint-4 is published, while older ones are rotated (or uploaded)
-trainer_checkpoints.rotate_up_to = die
+checkpoints.rotate_up_to = die
 build_trainer("dpo", {model!r}, {out!r}, preset="guarded", save_steps=2, max_steps=4).train()
 """
 

@@ -1,22 +1,24 @@
-"""`trainer/run_control.py` on its own: where the preemption callback and the hang watchdog go in a guarded trainer's
-callback list (and that neither comes without the guard), when `after_boundary` exits, what `after_train` puts back,
-and what `preempted_at_end` does after a run that finished although a preemption was asked for."""
+"""`trainer/run.py` and `trainer/run_control.py` on their own: where the preemption callback and the hang watchdog go
+in a guarded trainer's callback list (and that neither comes without the guard), when `after_boundary` exits, what
+`after_train` puts back, and what `preempted_at_end` does after a run that finished although a preemption was asked
+for."""
 
 from __future__ import annotations
 
 import os
 import signal
-from types import SimpleNamespace
 
 import pytest
 from transformers.trainer_callback import DefaultFlowCallback
 
-from safe_trainers.trainer.callbacks import NanGuardCallback
 from safe_trainers.restarts.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback
 from safe_trainers.restarts.progress_callback import StepProgressCallback
-from safe_trainers.trainer.run_control import after_boundary, after_train, attach_run_control, preempted_at_end
-from safe_trainers.restarts.watchdog import UNWATCHED, HangWatchdog
+from safe_trainers.restarts.watchdog import HangWatchdog
+from safe_trainers.runtime.ports import UNWATCHED
 from safe_trainers.testing.build import build_trainer
+from safe_trainers.trainer.callbacks import NanGuardCallback
+from safe_trainers.trainer.hooks_ran import HookCheckCallback
+from safe_trainers.trainer.run_control import after_boundary, after_train, preempted_at_end
 
 
 def build(toy_models, tmp_path, **config):
@@ -40,26 +42,30 @@ def received(preemption: PreemptionCallback, sig: signal.Signals = signal.SIGUSR
 
 
 # ---------------------------------------------------------------------------------------------------- attaching
-def test_attach_puts_preemption_right_after_the_flow_and_the_watchdog_right_after_the_guard(toy_models, tmp_path):
+def test_a_built_trainer_puts_preemption_right_after_the_flow_and_the_watchdog_right_after_the_guard(
+    toy_models, tmp_path
+):
+    # Right after the flow callback comes the hook check (first of all: the guard's upstream hooks ran), then
+    # preemption: before the step record and the guard.
     trainer = build(toy_models, tmp_path, preempt_signals=[], hang_timeout=0)
     guard = trainer.nan_guard
     assert index(trainer, PreemptionCallback) == index(trainer, HangWatchdog) == -1
-    assert trainer.safe_run.preemption is guard.preemption is None and guard.watchdog is UNWATCHED
+    assert trainer.safe_run.preemption is guard.rider is None and guard.clock is UNWATCHED
 
-    settings = SimpleNamespace(
-        preempt_signals=["usr1", "SIGTERM"], hang_timeout=30.0, hang_timeout_factor=5.0, hang_action="auto"
-    )
-    attach_run_control(trainer, settings)
+    settings = dict(preempt_signals=["usr1", "SIGTERM"], hang_timeout=30.0, hang_timeout_factor=5.0)
+    trainer = build(toy_models, tmp_path / "attached", hang_action="auto", **settings)
+    guard = trainer.nan_guard
     callbacks = trainer.callback_handler.callbacks
-    preemption = callbacks[index(trainer, DefaultFlowCallback) + 1]
-    assert isinstance(preemption, PreemptionCallback) and preemption is trainer.safe_run.preemption is guard.preemption
-    assert preemption.signals == (signal.SIGUSR1, signal.SIGTERM) and preemption.guard is guard
+    assert index(trainer, HookCheckCallback) == index(trainer, DefaultFlowCallback) + 1
+    preemption = callbacks[index(trainer, HookCheckCallback) + 1]
+    assert isinstance(preemption, PreemptionCallback) and preemption is trainer.safe_run.preemption is guard.rider
+    assert preemption.signals == (signal.SIGUSR1, signal.SIGTERM) and preemption.events is guard.events
     watchdog = callbacks[index(trainer, NanGuardCallback) + 1]
-    assert isinstance(watchdog, HangWatchdog) and watchdog is trainer.safe_run.watchdog is guard.watchdog
+    assert isinstance(watchdog, HangWatchdog) and watchdog is trainer.safe_run.watchdog is guard.clock
     assert (watchdog.output_dir, watchdog.rank, watchdog.ceiling, watchdog.factor) == (
         trainer.args.output_dir, 0, 30.0, 5.0,
     )  # fmt: skip
-    assert watchdog._thread is None  # started by `on_train_begin`, not when attached
+    assert watchdog._thread is None  # started by `on_train_begin`, not when built
 
 
 @pytest.mark.parametrize(

@@ -160,14 +160,15 @@ def test_the_guards_verification_before_a_save_or_evaluation_is_timed(toy_models
         return check()
 
     guard.state_is_finite = recording_check  # this guard instance only: records, then checks as before
-    before = guard.before_publishing
+    before = guard.judge
 
-    def publishing(control):
-        if control.should_save or control.should_evaluate:
+    def judge(verify=False, snapshot=False, fresh=False):
+        control = trainer.control
+        if fresh and (control.should_save or control.should_evaluate):  # the verification before the save
             timed.append("publishing")
-        return before(control)
+        return before(verify=verify, snapshot=snapshot, fresh=fresh)
 
-    guard.before_publishing = publishing
+    guard.judge = judge  # this guard instance only: what runs right before the Trainer saves or evaluates
     trainer.train()
     after = [timed[i + 1] for i, t in enumerate(timed[:-1]) if t == "publishing"]
     assert after and all(was_timed for _, was_timed in after), timed
