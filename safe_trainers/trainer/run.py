@@ -5,14 +5,15 @@ Callback order, right after transformers' flow callback (which decides whether a
 before every other callback (TRL's reference-model sync, the reporting integrations, the user's), highest `priority`
 first (each callback declares its own):
 
-| priority | callback | why there |
-|---|---|---|
-| 50 | [`HookCheckCallback`] | first of all: the upstream hooks the guard depends on ran, or the run stops |
-| 40 | [`PreemptionCallback`] | decides at `on_step_end` whether this step is the one every rank stops at, and asks it to save, before the guard verifies |
-| 30 | [`StepProgressCallback`] | a step is over (for the step record) before the guard inspects, snapshots or rolls back, so a death there is never blamed on the step's data |
-| 20 | [`NanGuardCallback`] | the state is verified before anything after it reads or saves it |
-| 10 | [`HangWatchdog`] | its `on_step_end` comes after the guard's inspection, so the inspection's collectives are timed with the step |
-| 0 | [`CompileWatch`] | anywhere: it tells the step record and the watchdog when torch compiles |
+* 50 [`HookCheckCallback`]: first of all, the upstream hooks the guard depends on ran, or the run stops;
+* 40 [`PreemptionCallback`]: decides at `on_step_end` whether this step is the one every rank stops at, and asks it
+  to save, before the guard verifies;
+* 30 [`StepProgressCallback`]: a step is over (for the step record) before the guard inspects, snapshots or rolls
+  back, so a death there is never blamed on the step's data;
+* 20 [`NanGuardCallback`]: the state is verified before anything after it reads or saves it;
+* 10 [`HangWatchdog`]: its `on_step_end` comes after the guard's inspection, so the inspection's collectives are
+  timed with the step;
+* 0 [`CompileWatch`]: anywhere; it tells the step record and the watchdog when torch compiles.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from .touchpoint import Touchpoint as T
 
 HOOKS = "tests/guard/test_upstream_hooks.py"
 NAMES = "tests/trainers/test_upstream_names.py"
-REPLAY = "tests/guard/test_guard_replay.py::test_the_replay_leaves_the_trainer_as_it_was"
+REPLAY = "tests/guard/test_diagnosis_replay.py::test_the_replay_leaves_the_trainer_as_it_was"
 
 TRAINER = "transformers:Trainer"
 ARGS = "transformers:TrainingArguments"
@@ -28,11 +28,11 @@ TRANSFORMERS: tuple[T, ...] = (
     T(TRAINER, "_get_grad_norm", "method", "overrides", "5.3.0", TRAINER_HOOKS,
       "the per-step gradient hook: `NanGuard.end_of_step` closes the step's fault flag there",
       (f"{HOOKS}::test_without_the_grad_norm_hook_the_run_stops_before_its_first_update",
-       "tests/guard/test_guard.py::test_inf_gradient_is_skipped"), check="pre_optimizer_step"),
+       "tests/guard/test_faults_on_each_trainer.py::test_inf_gradient_is_skipped"), check="pre_optimizer_step"),
     T(TRAINER, "training_step", "method", "overrides", "<=4.0", TRAINER_HOOKS,
       "the loss accumulator: `NanGuard.observe_loss` folds each micro-batch's loss into the step's fault flag",
       (f"{HOOKS}::test_without_the_loss_hook_the_run_stops_before_its_first_update",
-       "tests/guard/test_guard.py::test_nan_loss_is_skipped"), check="pre_optimizer_step"),
+       "tests/guard/test_faults_on_each_trainer.py::test_nan_loss_is_skipped"), check="pre_optimizer_step"),
     T(TRAINER, "compute_loss", "method", "overrides, calls", "<=4.0", "trainer/hooks.py, trainer/replay.py",
       "keeps a host copy of each micro-batch and replays it to name the first non-finite module",
       ("tests/guard/test_faulty_micro_batch.py::test_diagnosis_finds_the_faulty_micro_batch",)),
@@ -47,19 +47,19 @@ TRANSFORMERS: tuple[T, ...] = (
       check="pre_optimizer_step"),
     T(TRAINER, "_globalstep_last_logged", "attribute", "reads", "<=4.0", TRAINER_HOOKS,
       "whether the Trainer is about to log its loss window, when the guard closes its own",
-      ("tests/guard/test_guard_bookkeeping_edges.py::test_a_users_own_loss_log_leaves_the_window_alone",),
+      ("tests/guard/test_bookkeeping_contracts.py::test_a_users_own_loss_log_leaves_the_window_alone",),
       check="pre_optimizer_step"),
     T(TRAINER, "_maybe_log_save_evaluate", "method", "overrides", "<=4.0", TRAINER_HOOKS,
       "the log window: closes the guard's loss window as the Trainer logs; verifies the state before a save or an "
       "evaluation",
       (f"{HOOKS}::test_without_the_log_window_hook_the_run_stops_after_its_first_step",
-       "tests/guard/test_guard_bookkeeping_edges.py::test_a_late_callbacks_save_and_eval_see_a_verified_state"),
+       "tests/guard/test_bookkeeping_contracts.py::test_a_late_callbacks_save_and_eval_see_a_verified_state"),
       check="next_step"),
     T(TRAINER, "_save_checkpoint", "method", "overrides, calls", "<=4.0", "trainer/checkpoints.py, trainer/inspection.py",
       "the checkpoint path: verify, write to the staging directory, publish by renaming; its own rotation (run where "
       "it wrote, by `args.save_total_limit`) is kept out of the staging directory by unsetting the limit meanwhile",
       (f"{HOOKS}::test_a_checkpoint_saved_outside_the_staging_path_stops_the_run",
-       "tests/guard/test_guard.py::test_kill_during_save_leaves_previous_checkpoint_loadable",
+       "tests/guard/test_faults_on_each_trainer.py::test_kill_during_save_leaves_previous_checkpoint_loadable",
        "tests/guard/test_output_dir_links.py::test_the_trainers_own_rotation_never_runs_inside_the_staging_dir"),
       check="save"),
     T(TRAINER, "_get_output_dir", "method", "overrides, calls", "4.21-4.30",
@@ -85,12 +85,12 @@ TRANSFORMERS: tuple[T, ...] = (
       ("tests/guard/test_guard_disk_rollback.py::test_rollback_reloads_the_newest_checkpoint",)),
     T(TRAINER, "_load_best_model", "method", "calls", "4.11-4.20", "trainer/inspection.py",
       "weights damaged after the last check are replaced by the best checkpoint (`load_best_model_at_end`)",
-      ("tests/guard/test_guard_late_damage.py::test_with_load_best_model_at_end_the_best_checkpoint_is_put_back",)),
+      ("tests/guard/test_damage_after_the_last_check.py::test_with_load_best_model_at_end_the_best_checkpoint_is_put_back",)),
     T("transformers:TrainerCallback", "on_pre_optimizer_step", "method", "overrides", "4.41-4.45",
       "trainer/callbacks.py, trainer/hooks_ran.py",
       "the event before `optimizer.step()`, where the guard hands the step's fault flag to the optimizer: the skip",
       (f"{HOOKS}::test_without_the_pre_optimizer_event_the_run_stops_at_its_first_step",
-       "tests/guard/test_guard.py::test_nan_loss_is_skipped"), check="step_end"),
+       "tests/guard/test_faults_on_each_trainer.py::test_nan_loss_is_skipped"), check="step_end"),
     T(TRAINER, "get_batch_samples", "method", "overrides", "4.46-4.47", TRAINER_HOOKS,
       "no step past `max_steps`: a run resumed from the checkpoint of its last step fetches no batch",
       ("tests/restarts/test_cluster_launches.py::test_resuming_from_the_final_checkpoint_trains_no_step",)),
@@ -130,7 +130,7 @@ GRPO_TESTS = {
     ),
     "_calculate_rewards": (
         f"{HOOKS}::test_without_a_generation_hook_grpo_and_rloo_stop_before_their_first_update",
-        "tests/guard/test_guard.py::test_grpo_nonfinite_rewards",
+        "tests/guard/test_faults_on_each_trainer.py::test_grpo_nonfinite_rewards",
         "tests/guard/test_guard_rloo.py::test_rloo_nonfinite_rewards",
     ),
     "_buffered_inputs": (
@@ -164,10 +164,10 @@ TRL: tuple[T, ...] = (
     *_online("trl:RLOOTrainer", "0.21-0.24", rewards_since="0.21-0.24"),
     T("trl:*Trainer", "_metrics", "attribute", "reads, writes", "1.8.0 (all six)", "trainer/replay.py",
       "TRL's logged metrics, put back after the diagnosis replay",
-      (REPLAY, "tests/guard/test_guard_bookkeeping_edges.py::test_diagnosis_replay_does_not_count_in_trl_metrics")),
+      (REPLAY, "tests/guard/test_bookkeeping_contracts.py::test_diagnosis_replay_does_not_count_in_trl_metrics")),
     T("trl:*Trainer", "_total_train_tokens", "attribute", "reads, writes", "1.8.0 (all six)", "trainer/replay.py",
       "TRL's token counter (`num_tokens`), put back after the diagnosis replay",
-      (REPLAY, "tests/guard/test_guard_bookkeeping_edges.py::test_diagnosis_replay_does_not_count_in_trl_metrics")),
+      (REPLAY, "tests/guard/test_bookkeeping_contracts.py::test_diagnosis_replay_does_not_count_in_trl_metrics")),
     *(
         T("trl:GRPOTrainer", name, "attribute", "reads, writes", "1.8.0", "trainer/replay.py",
           f"the adaptive entropy controller's {what}, put back after the diagnosis replay", (REPLAY,))
@@ -183,17 +183,17 @@ TRL: tuple[T, ...] = (
 )
 
 ZERO_TEST = "tests/guard/test_guard_distributed.py::test_deepspeed_zero_fault_on_one_rank"
-PLANTED_TEST = "tests/guard/test_planted_distributed.py::test_a_real_checkpoint_is_accepted_and_a_planted_one_runs_nothing"
-COMPILE_TEST = "tests/restarts/test_hang_progress.py::test_a_step_that_compiles_past_the_bound_finishes"
+PLANTED_TEST = "tests/restarts/test_planted_checkpoints_distributed.py::test_a_real_checkpoint_is_accepted_and_a_planted_one_runs_nothing"
+COMPILE_TEST = "tests/restarts/test_watchdog_spares_working_runs.py::test_a_step_that_compiles_past_the_bound_finishes"
 OTHERS: tuple[T, ...] = (
     T("torch", "_foreach_norm", "function", "calls", "<=2.13 (not bisected)", "runtime/finite.py",
-      "one fused finiteness check over many tensors", ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
+      "one fused finiteness check over many tensors", ("tests/guard/test_faults_on_each_trainer.py::test_nan_weight_rolls_back",)),
     T("torch.optim:Optimizer", "_step_supports_amp_scaling", "attribute", "reads", "<=2.13 (not bisected)",
       "guard/step/skip.py", "fused optimizers skip a faulty step on the device (no host sync)",
-      ("tests/guard/test_guard.py::test_nan_loss_is_skipped",)),
+      ("tests/guard/test_faults_on_each_trainer.py::test_nan_loss_is_skipped",)),
     T("torch.optim:Optimizer", "found_inf", "attribute", "writes", "<=2.13 (not bisected)", "guard/step/skip.py",
       "the device flag a fused optimizer reads to skip its step, removed after the step",
-      ("tests/guard/test_guard.py::test_nan_loss_is_skipped",
+      ("tests/guard/test_faults_on_each_trainer.py::test_nan_loss_is_skipped",
        "tests/guard/test_guard_loss_scaler.py::test_the_fused_optimizers_found_inf_is_removed_after_the_step")),
     T("torch.amp:GradScaler", "_per_optimizer_states", "attribute", "reads", "<=2.13 (not bisected)",
       "guard/step/skip.py", "whether the fp16 scaler has unscaled this step's gradients yet, before the fault is folded in",
@@ -204,7 +204,7 @@ OTHERS: tuple[T, ...] = (
        "tests/guard/test_guard_loss_scaler.py::test_without_the_guard_a_poisoned_step_crashes_the_scaler")),
     T("torch.optim.lr_scheduler:LRScheduler", "_last_lr", "attribute", "writes", "<=2.13 (not bisected)",
       "guard/rollback/actions.py", "the reported learning rate after a backoff",
-      ("tests/guard/test_guard.py::test_nan_weight_rolls_back",)),
+      ("tests/guard/test_faults_on_each_trainer.py::test_nan_weight_rolls_back",)),
     *(
         T(owner, name, kind, uses, "<=2.13 (not bisected)", "restarts/compile_watch.py",
           f"TorchDynamo's compile hooks: {purpose}", (COMPILE_TEST,))
@@ -233,7 +233,7 @@ OTHERS: tuple[T, ...] = (
     T("torch.distributed.distributed_c10d", "_get_default_store", "function", "calls", "<=2.13 (not bisected)",
       "restarts/compile_peers.py",
       "the process group's key-value store, where each rank says that it compiles (a rank waiting for it is not hung)",
-      ("tests/restarts/test_hang_progress.py::test_a_rank_that_waits_for_another_ranks_compile_is_not_hung",)),
+      ("tests/restarts/test_watchdog_spares_working_runs.py::test_a_rank_that_waits_for_another_ranks_compile_is_not_hung",)),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",
       "trains and saves a LoRA reward model's head (`peft.reward_seq_cls_lora`)",
       ("tests/rules/test_peft_rules.py::test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head",)),

@@ -1,7 +1,7 @@
 """A checkpoint the run did not write executes nothing: DeepSpeed and DCP load their pickled state with pickle's full
 unpickler, so a planted `checkpoint-N` whose state carries a pickle payload is passed over by `resume_from_checkpoint=
 True` (the payload never runs) and an explicit path to it is refused, naming the global; real ZeRO-2, ZeRO-3 and FSDP2
-checkpoints are accepted (no false alarm: tests/guard/test_planted_distributed.py).
+checkpoints are accepted (no false alarm: tests/restarts/test_planted_checkpoints_distributed.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`safe_trainers.SFTTrainer` on tiny models, on CPU: each rule that applies to SFT firing and staying quiet, with
 real training. The rules shared by every trainer (clipping, logging, bf16 on a plain model) are also covered by the
 parametrised trainer tests in `tests/rules/` (`test_optim_rules.py`, `test_precision_rules.py`); the fault matrix is
-in `test_guard.py`.
+in `test_faults_on_each_trainer.py`.
 """
 
 from __future__ import annotations
