@@ -138,7 +138,7 @@ class NanGuard:
     def end_of_step(self, grad_norm: Any, backend_skipped: bool = False, dropped: bool = False) -> torch.Tensor:
         """Combine the step's loss flag with the gradient norm, agree across ranks; return the device fault flag.
         `backend_skipped`: DeepSpeed, which steps inside `backward`, skipped the step itself. `dropped`: the step's
-        batches were not trained (a poisoned step, see `restarts/progress_callback.py`): a skipped step."""
+        batches were not trained (a poisoned step, see `restarts/step_progress.py`): a skipped step."""
         step = self.port.state.global_step + 1
         fault = self.flags.end_step(step, grad_norm, self.port.device, backend_skipped, dropped, self.rider)
         self.batches.end_step(step)

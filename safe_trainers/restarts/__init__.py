@@ -10,7 +10,7 @@ One module per decision or action:
 * `completeness`, `pickled_state`: whether every file of a checkpoint was written to the end, and runs nothing;
 * `publishing`: a checkpoint published by renames that leave a complete copy at every point of a crash;
 * `agents`: which launch and which of the script's `train()` calls a process is;
-* `progress`: the step record kept on disk across restarts, and the poisoned-step decision; `progress_callback`
+* `progress`: the step record kept on disk across restarts, and the poisoned-step decision; `step_progress`
   keeps it and drops a poisoned step's batches;
 * `output_lock`: one run per `output_dir`: the lock `train()` holds, and who publishes on shared storage;
 * `rotation`: the `save_total_limit` rotation that keeps a run's own newest checkpoint;

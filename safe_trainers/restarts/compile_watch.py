@@ -18,7 +18,6 @@ import threading
 from typing import Any, Protocol
 
 from torch._dynamo.callback import callback_handler
-from transformers import TrainerCallback
 
 
 class CompileListener(Protocol):
@@ -27,29 +26,18 @@ class CompileListener(Protocol):
     def compile_ended(self) -> None: ...
 
 
-class CompileWatch(TrainerCallback):
+class CompileWatch:
     """Registers with TorchDynamo's compile callbacks while training runs, and tells its listeners.
 
     Args:
         listeners (`list`): objects with `compile_began()` and `compile_ended()` (called in the compiling thread).
     """
 
-    priority = 0  # the integration layer's order (`trainer/run.py`): anywhere
-
     def __init__(self, listeners: list[CompileListener]):
         self.listeners = listeners
         self.compiling = False  # a compilation began and has not ended (one at a time: torch counts the nesting)
         self._lock = threading.Lock()
         self._registered = False
-
-    def on_train_begin(self, args, state, control, **kwargs: Any):
-        self.register()
-
-    def on_step_begin(self, args, state, control, **kwargs: Any):
-        self.register()  # again if `torch._dynamo.reset()` cleared every callback (every graph then compiles again)
-
-    def on_train_end(self, args, state, control, **kwargs: Any):
-        self.unregister()
 
     def register(self) -> None:
         """Register the callbacks, unless they are registered (`torch._dynamo.reset()` removes them)."""

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
 from ..runtime.collectives import distributed, ranks_with_flag
 from ..runtime.events import EventLog, RunEvent
@@ -125,8 +124,8 @@ class AgreedBits:
         return out
 
 
-class PreemptionCallback(TrainerCallback):
-    """Installs the signal handlers, decides the step every rank stops at, and has that step save.
+class Preemption:
+    """Installs the signal handlers and decides the step every rank stops at (which saves; see the module docstring).
 
     It rides on the guard's per-step all-reduce (a [`FlagRider`], `runtime/ports.py`: the integration layer hands it
     to the guard), and the stopping step's save is the guard's verified one.
@@ -135,8 +134,6 @@ class PreemptionCallback(TrainerCallback):
         events ([`EventLog`]): the run's event log (the `preempt` event).
         signals (`tuple[signal.Signals]`): the signals that mean "preempted".
     """
-
-    priority = 40  # the integration layer's order (`trainer/run.py`): before the step record and the guard
 
     def __init__(self, events: EventLog, signals: tuple[signal.Signals, ...]):
         self.events = events
@@ -193,23 +190,21 @@ class PreemptionCallback(TrainerCallback):
         if self.bits is not None:
             self.bits.agreed(step, bit)
 
-    def on_train_begin(self, args, state, control, **kwargs: Any):
+    def train_began(self, state: Any) -> None:
+        """Training starts (`state`: the loop's `TrainerState`, read when a signal comes): install the handlers."""
         self.bits, self.state = None, state
         self.install()
 
-    def on_step_end(self, args, state, control, **kwargs: Any):
-        step = state.global_step
+    def step_ended(self, step: int) -> bool:
+        """Step `step` ended: whether it is the step every rank stops at (it then saves, and training stops)."""
         if self.bits is not None:
             stop = stop_step(self.bits.read_through(step - READ_LAG), READ_LAG)
         else:
             stop = step if self.received is not None else None
-        if stop is not None and self.stopping_at is None:
-            self.stopping_at = step
-            control.should_save = True
-            control.should_training_stop = True
-
-    def on_train_end(self, args, state, control, **kwargs: Any):
-        self.restore()
+        if stop is None or self.stopping_at is not None:
+            return False
+        self.stopping_at = step
+        return True
 
     # ------------------------------------------------------------------ exit
     def exit_if_stopping(self, state: Any, device: Any) -> None:
@@ -249,6 +244,6 @@ def refuse_jit_checkpoint(args: Any, nan_guard: bool) -> None:
 
 
 __all__ = [
-    "PREEMPTED_EXIT_CODE", "AgreedBits", "Preempted", "PreemptionCallback", "parse_signals", "refuse_jit_checkpoint",
+    "PREEMPTED_EXIT_CODE", "AgreedBits", "Preempted", "Preemption", "parse_signals", "refuse_jit_checkpoint",
     "stop_step",
 ]  # fmt: skip

@@ -44,8 +44,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from transformers import TrainerCallback
-
 from .compile_peers import NO_PEERS, peer_compiles
 from .hang_report import HUNG_EXIT_CODE, exit_hung, hang_message, hang_plan_line, stacks_path, write_stacks
 
@@ -89,7 +87,7 @@ def generation_period(args: Any) -> int:
     return max(1, -(-micro // accumulation))
 
 
-class HangWatchdog(TrainerCallback):
+class HangWatchdog:
     """Times each step on the host and reports, or ends the process, when one passes the bound (see the module
     docstring).
 
@@ -107,8 +105,6 @@ class HangWatchdog(TrainerCallback):
         on_hang (`Callable[[int, dict], Any]`, *optional*): called with the step and the hang's detail (the `hang`
             event), in the watchdog's thread, before the process exits.
     """
-
-    priority = 10  # the integration layer's order (`trainer/run.py`): after the guard
 
     def __init__(
         self,
@@ -143,17 +139,20 @@ class HangWatchdog(TrainerCallback):
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ heartbeats (the training loop)
-    def on_train_begin(self, args, state, control, **kwargs: Any):
+    def train_began(self, main: bool) -> None:
+        """Training starts: the thread starts (and `main`, the main process, says what a hang will do)."""
         self.peers = peer_compiles(self.rank)
         self.start()
-        if state.is_world_process_zero:  # shown by default, as the resume lines are: what a hang will do here
+        if main:  # shown by default, as the resume lines are: what a hang will do here
             logger.warning(hang_plan_line(self.exits, self.action, self.ceiling, self.factor))
 
-    def on_step_begin(self, args, state, control, **kwargs: Any):
-        self._step = state.global_step + 1
+    def step_began(self, step: int) -> None:
+        """Optimizer step `step` begins: its clock starts."""
+        self._step = step
         self._restart_clock(self.clock())
 
-    def on_step_end(self, args, state, control, **kwargs: Any):
+    def step_ended(self) -> None:
+        """The step ended: its time is learned (after the first, warm-up step)."""
         with self._lock:
             began, self._began, self._held = self._began, None, None
         if began is None:
@@ -164,9 +163,6 @@ class HangWatchdog(TrainerCallback):
             return
         self.slowest = took if self.slowest is None else max(self.slowest, took)
         self.timed += 1
-
-    def on_train_end(self, args, state, control, **kwargs: Any):
-        self.stop()
 
     def _restart_clock(self, now: float | None) -> None:
         with self._lock:

@@ -1,4 +1,6 @@
-"""`NanGuardCallback`: the guard's part of the trainer's loop events."""
+"""The run's callbacks: where the Trainer's loop events reach the guard ([`NanGuardCallback`]) and the parts of the run
+that outlive a process (preemption, the step record, the hang watchdog, the compile watch; `restarts/`), each with the
+`priority` that places it among the others (`run.py`)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..restarts.compile_watch import CompileWatch
+from ..restarts.preemption import Preemption
+from ..restarts.step_progress import StepProgress
+from ..restarts.watchdog import HangWatchdog
 from . import inspection
 
 
@@ -47,3 +53,80 @@ class NanGuardCallback(TrainerCallback):
         if due is not None:
             verify, snapshot = due
             inspection.inspect(self.trainer, verify=verify, snapshot=snapshot)
+
+
+class PreemptionCallback(TrainerCallback):
+    """Has the step every rank stops at for a preemption save and end training ([`Preemption`])."""
+
+    priority = 40  # see `run.py`: before the step record and the guard
+
+    def __init__(self, preemption: Preemption):
+        self.preemption = preemption
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.preemption.train_began(state)
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        if self.preemption.step_ended(state.global_step):
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.preemption.restore()
+
+
+class StepProgressCallback(TrainerCallback):
+    """Tells the step record when each optimizer step begins and ends ([`StepProgress`])."""
+
+    priority = 30  # see `run.py`: after preemption, before the guard
+
+    def __init__(self, progress: StepProgress):
+        self.progress = progress
+
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        self.progress.step_began(state.global_step + 1, args.gradient_accumulation_steps)
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        self.progress.step_ended(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.progress.train_ended(state.global_step)
+
+
+class HangWatchdogCallback(TrainerCallback):
+    """Times each optimizer step with the [`HangWatchdog`]."""
+
+    priority = 10  # see `run.py`: after the guard, whose inspection is timed with the step
+
+    def __init__(self, watchdog: HangWatchdog):
+        self.watchdog = watchdog
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.watchdog.train_began(state.is_world_process_zero)
+
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        self.watchdog.step_began(state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        self.watchdog.step_ended()
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.watchdog.stop()
+
+
+class CompileWatchCallback(TrainerCallback):
+    """Keeps the [`CompileWatch`] registered with TorchDynamo while training runs."""
+
+    priority = 0  # see `run.py`: anywhere
+
+    def __init__(self, watch: CompileWatch):
+        self.watch = watch
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.watch.register()
+
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        self.watch.register()  # again if `torch._dynamo.reset()` cleared every callback (every graph compiles again)
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.watch.unregister()

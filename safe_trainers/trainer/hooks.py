@@ -17,7 +17,7 @@ guard touches, and how each keeps its contract:
 * resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
   and a restart by the elastic agent take the newest complete and finite checkpoint (`restarts/resume_plan.py`).
 * crashes: the step record is kept on disk and a poisoned step's batches are not trained
-  (`restarts/progress_callback.py`); a run resumed at its last step (a restart after `train()` returned) trains no step
+  (`restarts/step_progress.py`); a run resumed at its last step (a restart after `train()` returned) trains no step
   past `max_steps`.
 * `output_dir`: held by one run for the whole `train()` call; a second run is refused, and a node sharing rank 0's
   storage (`save_on_each_node=True`) publishes and rotates nothing (`restarts/output_lock.py`).

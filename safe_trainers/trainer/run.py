@@ -5,21 +5,23 @@ Callback order, right after transformers' flow callback (which decides whether a
 before every other callback (TRL's reference-model sync, the reporting integrations, the user's), highest `priority`
 first (each callback declares its own):
 
-* 50 [`HookCheckCallback`]: first of all, the upstream hooks the guard depends on ran, or the run stops;
+* 50 [`HookCheckCallback`] (`hooks_ran.py`): first of all, the upstream hooks the guard depends on ran, or the run stops;
 * 40 [`PreemptionCallback`]: decides at `on_step_end` whether this step is the one every rank stops at, and asks it
   to save, before the guard verifies;
 * 30 [`StepProgressCallback`]: a step is over (for the step record) before the guard inspects, snapshots or rolls
   back, so a death there is never blamed on the step's data;
 * 20 [`NanGuardCallback`]: the state is verified before anything after it reads or saves it;
-* 10 [`HangWatchdog`]: its `on_step_end` comes after the guard's inspection, so the inspection's collectives are
+* 10 [`HangWatchdogCallback`]: its `on_step_end` comes after the guard's inspection, so the inspection's collectives are
   timed with the step;
-* 0 [`CompileWatch`]: anywhere; it tells the step record and the watchdog when torch compiles.
+* 0 [`CompileWatchCallback`]: anywhere; the compile watch tells the step record and the watchdog when torch compiles.
+
+The callbacks are `callbacks.py`'s; what each drives is a plain object of `restarts/` (or the guard), held by the run.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers.trainer_callback import DefaultFlowCallback
@@ -29,12 +31,14 @@ from ..restarts.agents import restart_count
 from ..restarts.compile_watch import CompileWatch
 from ..restarts.hang_report import hang_exits
 from ..restarts.output_lock import OutputDirLock
-from ..restarts.preemption import PreemptionCallback, parse_signals
-from ..restarts.progress_callback import StepProgressCallback
+from ..restarts.preemption import Preemption, parse_signals
+from ..restarts.step_progress import StepProgress
 from ..restarts.watchdog import HangWatchdog, generation_period
 from ..runtime.events import EventLog, RunEvent
 from ..runtime.ports import UNWATCHED
-from .callbacks import NanGuardCallback
+from .callbacks import (
+    CompileWatchCallback, HangWatchdogCallback, NanGuardCallback, PreemptionCallback, StepProgressCallback,
+)  # fmt: skip
 from .hooks_ran import HookCheckCallback, HooksRan
 from .port import TrainerPort, refuse_unsupported_backend
 
@@ -75,35 +79,27 @@ class SafeRun:
         guard ([`NanGuard`], *optional*): the NaN guard (also `trainer.nan_guard`, for users).
         events ([`EventLog`], *optional*): the run's event log, shared by the guard, the step record, preemption and
             the watchdog.
-        progress ([`StepProgressCallback`], *optional*): the step record across restarts.
-        preemption ([`PreemptionCallback`], *optional*): with `preempt_signals`.
+        progress ([`StepProgress`], *optional*): the step record across restarts.
+        preemption ([`Preemption`], *optional*): with `preempt_signals`.
         watchdog ([`HangWatchdog`], *optional*): with `hang_timeout > 0`.
         compile_watch ([`CompileWatch`], *optional*): tells the step record and the watchdog when torch compiles.
         hooks_ran ([`HooksRan`], *optional*): which of the guard's Trainer hooks ran (`hooks_ran.py`).
         hooks ([`HookState`], *optional*): what the Trainer hooks carry from one call to the next (`hooks.py`).
-        hook_check ([`HookCheckCallback`], *optional*), guard_callback ([`NanGuardCallback`], *optional*): the
-            callbacks that check the hooks and drive the guard.
+        callbacks (`list`): the callbacks that bring the Trainer's loop events to the above, highest `priority`
+            first (installed once, `install_callbacks`).
         output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
     """
 
     guard: NanGuard | None = None
     events: EventLog | None = None
-    progress: StepProgressCallback | None = None
-    preemption: PreemptionCallback | None = None
+    progress: StepProgress | None = None
+    preemption: Preemption | None = None
     watchdog: HangWatchdog | None = None
     compile_watch: CompileWatch | None = None
     hooks_ran: HooksRan | None = None
     hooks: HookState | None = None
-    hook_check: HookCheckCallback | None = None
-    guard_callback: NanGuardCallback | None = None
+    callbacks: list[Any] = field(default_factory=list)
     output_lock: OutputDirLock | None = None
-
-    @property
-    def callbacks(self) -> list[Any]:
-        """The run's callbacks, highest `priority` first (each declares its own)."""
-        present = (self.hook_check, self.preemption, self.progress, self.guard_callback, self.watchdog)
-        present += (self.compile_watch,)
-        return sorted((cb for cb in present if cb is not None), key=lambda cb: -cb.priority)
 
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
@@ -117,7 +113,7 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     events = EventLog(args.output_dir, write=trainer.is_world_process_zero())
     run = SafeRun(events=events, hooks_ran=HooksRan(), hooks=HookState())
     signals = parse_signals(settings.preempt_signals)
-    run.preemption = PreemptionCallback(events, signals) if signals else None
+    run.preemption = Preemption(events, signals) if signals else None
     if settings.hang_timeout > 0:
         run.watchdog = HangWatchdog(
             args.output_dir, args.process_index, settings.hang_timeout, settings.hang_timeout_factor,
@@ -128,11 +124,15 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     clock = run.watchdog if run.watchdog is not None else UNWATCHED
     run.guard = NanGuard(settings, args, TrainerPort(trainer), events, clock=clock, rider=run.preemption)
     main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
-    run.progress = StepProgressCallback(events, args.output_dir, main, can_leave_out=leave_out)
-    listeners: list[Any] = [run.progress] + ([run.watchdog] if run.watchdog is not None else [])
-    run.compile_watch = CompileWatch(listeners)
-    run.hook_check = HookCheckCallback(trainer)
-    run.guard_callback = NanGuardCallback(trainer)
+    run.progress = StepProgress(events, args.output_dir, main, can_leave_out=leave_out)
+    run.compile_watch = CompileWatch([run.progress] + ([run.watchdog] if run.watchdog is not None else []))
+    callbacks = [HookCheckCallback(trainer), NanGuardCallback(trainer), StepProgressCallback(run.progress)]
+    callbacks.append(CompileWatchCallback(run.compile_watch))
+    if run.preemption is not None:
+        callbacks.append(PreemptionCallback(run.preemption))
+    if run.watchdog is not None:
+        callbacks.append(HangWatchdogCallback(run.watchdog))
+    run.callbacks = sorted(callbacks, key=lambda callback: -callback.priority)
     return run
 
 

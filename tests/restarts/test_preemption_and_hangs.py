@@ -62,17 +62,14 @@ def test_the_watchdog_learns_from_steps_after_the_first_and_not_from_paused_time
     clock = iter([0.0, 50.0, 100.0, 101.0, 200.0, 201.0, 212.0, 213.0])
     dog = HangWatchdog(str(tmp_path), rank=0, ceiling=900, factor=10, clock=lambda: next(clock))
 
-    class State:
-        global_step = 0
-
-    dog.on_step_begin(None, State, None)  # 0.0
-    dog.on_step_end(None, State, None)  # 50.0: the first step (warm-up), not learned
-    dog.on_step_begin(None, State, None)  # 100.0
-    dog.on_step_end(None, State, None)  # 101.0: 1 s
-    dog.on_step_begin(None, State, None)  # 200.0
+    dog.step_began(1)  # 0.0
+    dog.step_ended()  # 50.0: the first step (warm-up), not learned
+    dog.step_began(2)  # 100.0
+    dog.step_ended()  # 101.0: 1 s
+    dog.step_began(3)  # 200.0
     with dog.paused():  # 201.0 -> 212.0: a snapshot's copy, not timed
         pass
-    dog.on_step_end(None, State, None)  # 213.0
+    dog.step_ended()  # 213.0
     assert (dog.timed, dog.slowest) == (2, 2.0)  # 1 s and 213 - 200 - 11 = 2 s
     assert dog.bound() == HANG_FLOOR
 
@@ -86,17 +83,12 @@ def test_grpo_learns_its_hang_bound_from_a_step_that_generates(toy_models, tmp_p
     clock = iter([0.0, 60.0, 100.0, 101.0, 200.0, 201.0, 300.0, 301.0, 400.0, 530.0])
     dog.clock = lambda: next(clock)
 
-    class State:
-        global_step = 0
-
-    for step in range(4):  # step 1 generates (the warm-up step), steps 2-4 reuse its rollouts: 1 s each
-        State.global_step = step
-        dog.on_step_begin(None, State, None)
-        dog.on_step_end(None, State, None)
+    for step in range(1, 5):  # step 1 generates (the warm-up step), steps 2-4 reuse its rollouts: 1 s each
+        dog.step_began(step)
+        dog.step_ended()
     assert dog.bound() == 900  # step 5 generates again: not yet taken for hung after 120 s
-    State.global_step = 4
-    dog.on_step_begin(None, State, None)
-    dog.on_step_end(None, State, None)  # 130 s, timed
+    dog.step_began(5)
+    dog.step_ended()  # 130 s, timed
     assert dog.bound() == 900  # learned from a generating step: 10 x 130 s, capped
     plain = build_trainer("grpo", toy_models["qwen2"], tmp_path / "plain", preset="guarded", bf16=False)
     assert plain.safe_run.watchdog.learn_after == 2  # generating at every step: the usual two steps

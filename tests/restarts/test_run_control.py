@@ -11,9 +11,9 @@ import signal
 import pytest
 from transformers.trainer_callback import DefaultFlowCallback
 
-from safe_trainers.restarts.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback
-from safe_trainers.restarts.progress_callback import StepProgressCallback
+from safe_trainers.restarts.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from safe_trainers.restarts.watchdog import HangWatchdog
+from safe_trainers.trainer.callbacks import HangWatchdogCallback, PreemptionCallback, StepProgressCallback
 from safe_trainers.runtime.ports import UNWATCHED
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainer.callbacks import NanGuardCallback
@@ -31,7 +31,7 @@ def index(trainer, cls) -> int:
     return found[0] if found else -1
 
 
-def received(preemption: PreemptionCallback, sig: signal.Signals = signal.SIGUSR1) -> None:
+def received(preemption: Preemption, sig: signal.Signals = signal.SIGUSR1) -> None:
     """A real signal to this process, through the preemption's own handler (put back afterwards)."""
     preemption.install()
     try:
@@ -49,7 +49,7 @@ def test_a_built_trainer_puts_preemption_right_after_the_flow_and_the_watchdog_r
     # preemption: before the step record and the guard.
     trainer = build(toy_models, tmp_path, preempt_signals=[], hang_timeout=0)
     guard = trainer.nan_guard
-    assert index(trainer, PreemptionCallback) == index(trainer, HangWatchdog) == -1
+    assert index(trainer, PreemptionCallback) == index(trainer, HangWatchdogCallback) == -1
     assert trainer.safe_run.preemption is guard.rider is None and guard.clock is UNWATCHED
 
     settings = dict(preempt_signals=["usr1", "SIGTERM"], hang_timeout=30.0, hang_timeout_factor=5.0)
@@ -57,10 +57,10 @@ def test_a_built_trainer_puts_preemption_right_after_the_flow_and_the_watchdog_r
     guard = trainer.nan_guard
     callbacks = trainer.callback_handler.callbacks
     assert index(trainer, HookCheckCallback) == index(trainer, DefaultFlowCallback) + 1
-    preemption = callbacks[index(trainer, HookCheckCallback) + 1]
-    assert isinstance(preemption, PreemptionCallback) and preemption is trainer.safe_run.preemption is guard.rider
+    preemption = callbacks[index(trainer, HookCheckCallback) + 1].preemption
+    assert isinstance(preemption, Preemption) and preemption is trainer.safe_run.preemption is guard.rider
     assert preemption.signals == (signal.SIGUSR1, signal.SIGTERM) and preemption.events is guard.events
-    watchdog = callbacks[index(trainer, NanGuardCallback) + 1]
+    watchdog = callbacks[index(trainer, NanGuardCallback) + 1].watchdog
     assert isinstance(watchdog, HangWatchdog) and watchdog is trainer.safe_run.watchdog is guard.clock
     assert (watchdog.output_dir, watchdog.rank, watchdog.ceiling, watchdog.factor) == (
         trainer.args.output_dir, 0, 30.0, 5.0,
@@ -74,7 +74,7 @@ def test_a_built_trainer_puts_preemption_right_after_the_flow_and_the_watchdog_r
 def test_a_built_trainer_has_each_only_when_its_setting_asks(toy_models, tmp_path, signals, hang_timeout):
     trainer = build(toy_models, tmp_path, preempt_signals=signals, hang_timeout=hang_timeout)
     preemption, guard, watchdog = (
-        index(trainer, PreemptionCallback), index(trainer, NanGuardCallback), index(trainer, HangWatchdog),
+        index(trainer, PreemptionCallback), index(trainer, NanGuardCallback), index(trainer, HangWatchdogCallback),
     )  # fmt: skip
     assert (preemption >= 0) is bool(signals) and (watchdog >= 0) is (hang_timeout > 0)
     # Preemption decides its stop (and asks for the save) before the step record closes the step and the guard
@@ -88,7 +88,8 @@ def test_a_built_trainer_has_each_only_when_its_setting_asks(toy_models, tmp_pat
 def test_neither_is_attached_without_the_guard(toy_models, tmp_path):
     # The defaults ask for both (SIGTERM and SIGUSR1, a 900 s ceiling); with `nan_guard=False` neither comes.
     trainer = build(toy_models, tmp_path, nan_guard=False)
-    assert index(trainer, PreemptionCallback) == index(trainer, HangWatchdog) == index(trainer, NanGuardCallback) == -1
+    assert index(trainer, PreemptionCallback) == index(trainer, HangWatchdogCallback) == -1
+    assert index(trainer, NanGuardCallback) == -1
     assert trainer.safe_run.preemption is None and trainer.safe_run.watchdog is None
     after_train(trainer)  # nothing to put back
     after_boundary(trainer)

@@ -6,7 +6,7 @@ The route is chosen from two facts, the loss scaler and the optimizer ([`skip_ro
   non-finite gradients for this optimizer (the `found_inf` tensors `GradScaler.unscale_` leaves for `step` and
   `update`), on the device: the scaler skips the step as it skips an overflow, with no host read of the guard's own
   (a non-fused optimizer's `GradScaler.step` reads its record on the host, as in stock fp16 training). A step with
-  no gradient at all (a poisoned step, whose batches are not trained: see `restarts/progress_callback.py`) leaves that
+  no gradient at all (a poisoned step, whose batches are not trained: see `restarts/step_progress.py`) leaves that
   record empty, which `GradScaler.step` and `GradScaler.update` refuse ("No inf checks were recorded"): the guard
   writes the record itself then. Like any overflow, the skipped step lowers the scale once; with a non-fused
   optimizer accelerate reports the step skipped, so the LR schedule holds for that step, as for an overflow in stock fp16 training.

@@ -1,10 +1,11 @@
-"""`StepProgressCallback`: keeps the step record on disk and skips the batches of a poisoned step.
+"""[`StepProgress`]: keeps the step record on disk and skips the batches of a poisoned step (the Trainer's loop events
+reach it through `trainer/callbacks.py`).
 
 The record (see `progress.py`) is rewritten by the main process when each optimizer step begins and ends, when torch
 begins and ends a compilation inside a step, when a checkpoint is published (the record lists the launch's
 checkpoints), and when training ends (with what `train()` returns). A step whose batches killed the process
-`skip_step_after_crashes` times in a row is *poisoned*: when it comes, its micro-batches are taken from the dataloader as usual (so every other step reads exactly
-the batches it would have) but not trained: no forward, no backward, no update. The guard counts it as a skipped step
+`skip_step_after_crashes` times in a row is *poisoned*: when it comes, its micro-batches are taken from the dataloader
+as usual (so every other step reads exactly the batches it would have) but not trained: no forward, no backward, no update. The guard counts it as a skipped step
 (`nan_guard/skipped_steps`, a `skip` event) and a `poison` event says which batches and which attempts died on them;
 `global_step` and the LR schedule go on, as for any skipped step, and the run ends at `max_steps`.
 
@@ -21,7 +22,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
 from ..runtime.checkpoint_dirs import checkpoint_dir
 from ..runtime.events import EventLog, RunEvent
@@ -30,7 +30,7 @@ from .progress import History, Phase, Poisoned, ProgressWriter
 logger = logging.getLogger("safe_trainers")
 
 
-class StepProgressCallback(TrainerCallback):
+class StepProgress:
     """Writes the step record and drops the micro-batches of poisoned steps (see the module docstring).
 
     Args:
@@ -39,8 +39,6 @@ class StepProgressCallback(TrainerCallback):
         main (`bool`): this is the main process (it writes the record).
         can_leave_out (`bool`): a poisoned step's batches can be left untrained ([`can_leave_out_a_step`]).
     """
-
-    priority = 30  # the integration layer's order (`trainer/run.py`): after preemption, before the guard
 
     def __init__(self, events: EventLog, output_dir: str, main: bool, can_leave_out: bool = True):
         self.events, self.output_dir, self.main, self.can_leave_out = events, output_dir, main, can_leave_out
@@ -64,20 +62,20 @@ class StepProgressCallback(TrainerCallback):
         """What `training_step` returns for a dropped micro-batch: no loss (NaN), as for any skipped step."""
         return torch.full((), float("nan"), device=device)
 
-    def on_step_begin(self, args, state, control, **kwargs: Any):
-        step = state.global_step + 1
+    def step_began(self, step: int, accumulation: int) -> None:
+        """Optimizer step `step` begins (of `accumulation` micro-batches): a poisoned step's batches are dropped."""
         poisoned = self.history.poisoned_step(step)
         if poisoned is not None:
             self.dropping = self.can_leave_out
-            self._report(step, poisoned, args.gradient_accumulation_steps)
+            self._report(step, poisoned, accumulation)
         self._save(step, "step")
 
-    def on_step_end(self, args, state, control, **kwargs: Any):
+    def step_ended(self, step: int) -> None:
         self.dropping = False
-        self._save(state.global_step, "between")
+        self._save(step, "between")
 
-    def on_train_end(self, args, state, control, **kwargs: Any):
-        self._save(state.global_step, "finished")
+    def train_ended(self, step: int) -> None:
+        self._save(step, "finished")
 
     def compile_began(self) -> None:
         """torch began compiling (see `compile_watch.py`): inside a step, the record says the step is compiling."""
