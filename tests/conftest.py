@@ -30,7 +30,8 @@ def toy_models(tmp_path_factory) -> dict[str, str]:
 
 
 # Property-based tests (tests/guard/test_guard_properties.py): five derandomized examples per trainer kind by default,
-# so CI is repeatable; `python -m pytest --hypothesis-profile=long tests/guard/test_guard_properties.py` explores many more.
+# so CI is repeatable; `python -m pytest --hypothesis-profile=long tests/guard/test_guard_properties.py` explores many
+# more.
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _SLOW_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]

@@ -5,9 +5,10 @@ trainer: [`NanGuard`] reads the loop through a [`GuardPort`] and returns its dec
 integration layer (`safe_trainers/trainer/`) to carry out.
 
 Rooms: `nan_guard` (the doors), `policy` (the verdict and when to inspect, pure), `port` (what the guard reads and
-returns), `state` (what it saves with a checkpoint), `records` (the events and messages of what it did), `backends` (what it binds to), `diagnosis` (the recent batches and
-the replay's hooks); `step/` the per-step device path (flags, skip, spikes, the logged loss); `rollback/` the last good
-state (its sources in memory and on disk, frozen parameters, the actions on a verdict).
+returns), `state` (what it saves with a checkpoint), `records` (the events and messages of what it did), `backends`
+(what it binds to), `diagnosis` (the recent batches and the replay's hooks); `step/` the per-step device path (flags,
+skip, spikes, the logged loss); `rollback/` the last good state (its sources in memory and on disk, frozen parameters,
+the actions on a verdict).
 """
 
 from ..runtime.events import EVENTS_FILE, RunEvent, read_events

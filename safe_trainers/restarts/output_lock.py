@@ -231,8 +231,8 @@ def _take(path: str, ours: Holder) -> tuple[OutputDirLock, Refusal | None]:
 
 
 def try_lock(fd: int) -> bool | None:
-    """Take the lock on the whole file without waiting ([`_lock`]): `True`, `False` when another process holds it, `None`
-    when the filesystem has no locks."""
+    """Take the lock on the whole file without waiting ([`_lock`]): `True`, `False` when another process holds it,
+    `None` when the filesystem has no locks."""
     try:
         _lock(fd)
     except OSError as error:

@@ -218,7 +218,8 @@ class ProgressWriter:
 
     def __init__(self, output_dir: str, history: History, data: str):
         os.makedirs(output_dir, exist_ok=True)
-        self._fd = open_no_follow(os.path.join(output_dir, PROGRESS_FILE))  # a link there is refused (`runtime/files.py`)
+        # a link there is refused (`runtime/files.py`)
+        self._fd = open_no_follow(os.path.join(output_dir, PROGRESS_FILE))
         os.ftruncate(self._fd, 0)
         self._data = data
         self._size = 0

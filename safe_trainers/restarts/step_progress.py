@@ -5,9 +5,10 @@ The record (see `progress.py`) is rewritten by the main process when each optimi
 begins and ends a compilation inside a step, when a checkpoint is published (the record lists the launch's
 checkpoints), and when training ends (with what `train()` returns). A step whose batches killed the process
 `skip_step_after_crashes` times in a row is *poisoned*: when it comes, its micro-batches are taken from the dataloader
-as usual (so every other step reads exactly the batches it would have) but not trained: no forward, no backward, no update. The guard counts it as a skipped step
-(`nan_guard/skipped_steps`, a `skip` event) and a `poison` event says which batches and which attempts died on them;
-`global_step` and the LR schedule go on, as for any skipped step, and the run ends at `max_steps`.
+as usual (so every other step reads exactly the batches it would have) but not trained: no forward, no backward, no
+update. The guard counts it as a skipped step (`nan_guard/skipped_steps`, a `skip` event) and a `poison` event says
+which batches and which attempts died on them; `global_step` and the LR schedule go on, as for any skipped step, and the
+run ends at `max_steps`.
 
 Under DeepSpeed the engine counts micro-batches in its own backward, and GRPO/RLOO serving several optimizer steps from
 one generation buffer index it by the steps trained, so there a step cannot be left out: a poisoned step is reported

@@ -104,7 +104,8 @@ class Finding:
             "action": self.action,
             "message": self.message,
             "changes": [
-                {"path": c.path, "old": _jsonable(c.shown(c.old)), "new": _jsonable(c.shown(c.new))} for c in self.changes
+                {"path": c.path, "old": _jsonable(c.shown(c.old)), "new": _jsonable(c.shown(c.new))}
+                for c in self.changes
             ],
             "library_default": self.library_default,
         }

@@ -8,9 +8,9 @@ and reused while the layout holds, and page-locked in place (`cudaHostRegister`)
 device, so that non-blocking device-to-host copies can land in it. Each tensor is a view of its dtype's buffer, so
 every view is aligned for its dtype. On a CPU-only run nothing is pinned; the layout is the same.
 
-Two ways to get a destination, one way to copy into it: [`HostBuffers`] for a fixed list of shapes (the snapshot, through
-[`copy_to_host`]), [`HostArena`] for shapes that change from one use to the next (micro-batches); both copy through
-[`queue_host_copy`].
+Two ways to get a destination, one way to copy into it: [`HostBuffers`] for a fixed list of shapes (the snapshot,
+through [`copy_to_host`]), [`HostArena`] for shapes that change from one use to the next (micro-batches); both copy
+through [`queue_host_copy`].
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ class OnlineGenerationMixin:
     def discard_rollouts(self) -> None:
         """Drop the buffered generation batch and force the next generation to push the weights to vLLM again.
 
-        Called after the guard restored an older policy (`inspection.carry_out`): the next micro-batch regenerates completions (and
-        their old log-probabilities) from the restored weights, for the same prompts.
+        Called after the guard restored an older policy (`inspection.carry_out`): the next micro-batch regenerates
+        completions (and their old log-probabilities) from the restored weights, for the same prompts.
         """
         self._buffered_inputs = None
         if hasattr(self, "_last_loaded_step"):

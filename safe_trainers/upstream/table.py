@@ -55,7 +55,8 @@ TRANSFORMERS: tuple[T, ...] = (
       (f"{HOOKS}::test_without_the_log_window_hook_the_run_stops_after_its_first_step",
        "tests/guard/test_bookkeeping_contracts.py::test_a_late_callbacks_save_and_eval_see_a_verified_state"),
       check="next_step"),
-    T(TRAINER, "_save_checkpoint", "method", "overrides, calls", "<=4.0", "trainer/checkpoints.py, trainer/inspection.py",
+    T(TRAINER, "_save_checkpoint", "method", "overrides, calls", "<=4.0",
+      "trainer/checkpoints.py, trainer/inspection.py",
       "the checkpoint path: verify, write to the staging directory, publish by renaming; its own rotation (run where "
       "it wrote, by `args.save_total_limit`) is kept out of the staging directory by unsetting the limit meanwhile",
       (f"{HOOKS}::test_a_checkpoint_saved_outside_the_staging_path_stops_the_run",
@@ -85,7 +86,8 @@ TRANSFORMERS: tuple[T, ...] = (
       ("tests/guard/test_guard_disk_rollback.py::test_rollback_reloads_the_newest_checkpoint",)),
     T(TRAINER, "_load_best_model", "method", "calls", "4.11-4.20", "trainer/inspection.py",
       "weights damaged after the last check are replaced by the best checkpoint (`load_best_model_at_end`)",
-      ("tests/guard/test_damage_after_the_last_check.py::test_with_load_best_model_at_end_the_best_checkpoint_is_put_back",)),
+      ("tests/guard/test_damage_after_the_last_check.py::"
+       "test_with_load_best_model_at_end_the_best_checkpoint_is_put_back",)),
     T("transformers:TrainerCallback", "on_pre_optimizer_step", "method", "overrides", "4.41-4.45",
       "trainer/callbacks.py, trainer/hooks_ran.py",
       "the event before `optimizer.step()`, where the guard hands the step's fault flag to the optimizer: the skip",
@@ -183,11 +185,13 @@ TRL: tuple[T, ...] = (
 )
 
 ZERO_TEST = "tests/guard/test_guard_distributed.py::test_deepspeed_zero_fault_on_one_rank"
-PLANTED_TEST = "tests/restarts/test_planted_checkpoints_distributed.py::test_a_real_checkpoint_is_accepted_and_a_planted_one_runs_nothing"
+PLANTED_TEST = ("tests/restarts/test_planted_checkpoints_distributed.py::"
+                "test_a_real_checkpoint_is_accepted_and_a_planted_one_runs_nothing")
 COMPILE_TEST = "tests/restarts/test_watchdog_spares_working_runs.py::test_a_step_that_compiles_past_the_bound_finishes"
 OTHERS: tuple[T, ...] = (
     T("torch", "_foreach_norm", "function", "calls", "<=2.13 (not bisected)", "runtime/finite.py",
-      "one fused finiteness check over many tensors", ("tests/guard/test_faults_on_each_trainer.py::test_nan_weight_rolls_back",)),
+      "one fused finiteness check over many tensors",
+      ("tests/guard/test_faults_on_each_trainer.py::test_nan_weight_rolls_back",)),
     T("torch.optim:Optimizer", "_step_supports_amp_scaling", "attribute", "reads", "<=2.13 (not bisected)",
       "guard/step/skip.py", "fused optimizers skip a faulty step on the device (no host sync)",
       ("tests/guard/test_faults_on_each_trainer.py::test_nan_loss_is_skipped",)),
@@ -196,10 +200,12 @@ OTHERS: tuple[T, ...] = (
       ("tests/guard/test_faults_on_each_trainer.py::test_nan_loss_is_skipped",
        "tests/guard/test_guard_loss_scaler.py::test_the_fused_optimizers_found_inf_is_removed_after_the_step")),
     T("torch.amp:GradScaler", "_per_optimizer_states", "attribute", "reads", "<=2.13 (not bisected)",
-      "guard/step/skip.py", "whether the fp16 scaler has unscaled this step's gradients yet, before the fault is folded in",
+      "guard/step/skip.py",
+      "whether the fp16 scaler has unscaled this step's gradients yet, before the fault is folded in",
       ("tests/guard/test_guard_loss_scaler.py::test_a_step_whose_gradients_were_not_unscaled_yet_is_checked_first",)),
     T("torch.amp:GradScaler", "_found_inf_per_device", "method", "calls", "<=2.13 (not bisected)",
-      "guard/step/skip.py", "the fp16 scaler's own `found_inf`, into which the guard folds a faulted step (no host sync)",
+      "guard/step/skip.py",
+      "the fp16 scaler's own `found_inf`, into which the guard folds a faulted step (no host sync)",
       ("tests/guard/test_guard_loss_scaler.py::test_a_faulted_step_is_skipped_through_the_scalers_found_inf",
        "tests/guard/test_guard_loss_scaler.py::test_without_the_guard_a_poisoned_step_crashes_the_scaler")),
     T("torch.optim.lr_scheduler:LRScheduler", "_last_lr", "attribute", "writes", "<=2.13 (not bisected)",
@@ -233,7 +239,8 @@ OTHERS: tuple[T, ...] = (
     T("torch.distributed.distributed_c10d", "_get_default_store", "function", "calls", "<=2.13 (not bisected)",
       "restarts/compile_peers.py",
       "the process group's key-value store, where each rank says that it compiles (a rank waiting for it is not hung)",
-      ("tests/restarts/test_watchdog_spares_working_runs.py::test_a_rank_that_waits_for_another_ranks_compile_is_not_hung",)),
+      ("tests/restarts/test_watchdog_spares_working_runs.py::"
+       "test_a_rank_that_waits_for_another_ranks_compile_is_not_hung",)),
     T("peft.utils.other", "set_additional_trainable_modules", "function", "imports", "<=0.17.0", "rules/peft.py",
       "trains and saves a LoRA reward model's head (`peft.reward_seq_cls_lora`)",
       ("tests/rules/test_peft_rules.py::test_reward_peft_model_with_frozen_head_gets_a_trained_and_saved_head",)),

@@ -31,7 +31,8 @@ FILE_KEY = "model.layers.0.self_attn.q_proj.weight"
     [
         ("model.embed_tokens.weight", ["model.embed_tokens.weight"]),
         (BASE_NAME, [BASE_NAME, FILE_KEY]),
-        ("base_model.model.score.original_module.weight", ["base_model.model.score.original_module.weight", "score.weight"]),
+        ("base_model.model.score.original_module.weight",
+         ["base_model.model.score.original_module.weight", "score.weight"]),
     ],
 )  # fmt: skip
 def test_a_parameter_is_looked_up_by_its_own_name_then_without_the_peft_wrappers(name, keys):

@@ -1,5 +1,6 @@
 """The NaN guard on RLOO's own paths, single process: non-finite rewards, and the buffered rollouts after a rollback.
-(The fault matrix, NaN loss, Inf gradient, NaN weight and persistent fault, runs over all six kinds in `test_faults_on_each_trainer.py`.)
+(The fault matrix, NaN loss, Inf gradient, NaN weight and persistent fault, runs over all six kinds in
+`test_faults_on_each_trainer.py`.)
 In fp32, like the matrix's RLOO runs.
 """
 

@@ -1,5 +1,5 @@
-"""The spike detector (`safe_trainers.guard.step.spikes`): a spike in the loss or the gradient norm is skipped before its
-update, on the device; skipped steps stay out of the window; the window is saved with checkpoints and a resumed run
+"""The spike detector (`safe_trainers.guard.step.spikes`): a spike in the loss or the gradient norm is skipped before
+its update, on the device; skipped steps stay out of the window; the window is saved with checkpoints and a resumed run
 continues it. Unit tests feed the detector plain values; the run tests train DPO for real with spikes injected
 (`Fault(kind="loss_scale")`, `Fault(kind="grad_scale")`)."""
 

@@ -1,5 +1,5 @@
-"""`LossLedger` (`guard/step/ledger.py`): the logged loss of a window with a skipped step is the mean of its applied steps;
-a window without one leaves the Trainer's own value; `train_loss` counts the applied steps of the whole run."""
+"""`LossLedger` (`guard/step/ledger.py`): the logged loss of a window with a skipped step is the mean of its applied
+steps; a window without one leaves the Trainer's own value; `train_loss` counts the applied steps of the whole run."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""`restarts/publishing.py`: a crash at any point of publishing `checkpoint-N` over an older copy leaves a complete copy,
-which the recovery at the next start keeps and `resume_from_checkpoint=True` resumes from. Real checkpoints of a real
-run; one test kills a real training process between the steps of a publication.
+"""`restarts/publishing.py`: a crash at any point of publishing `checkpoint-N` over an older copy leaves a complete
+copy, which the recovery at the next start keeps and `resume_from_checkpoint=True` resumes from. Real checkpoints of a
+real run; one test kills a real training process between the steps of a publication.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""`HostSnapshot` (`guard/rollback/memory.py`, a `RollbackSource`): a restore puts back the weights, the optimizer's moments
-and step counters and the best-model fields of the step the snapshot was taken at; the learning rate stays as the
-schedule left it; frozen parameters are never copied."""
+"""`HostSnapshot` (`guard/rollback/memory.py`, a `RollbackSource`): a restore puts back the weights, the optimizer's
+moments and step counters and the best-model fields of the step the snapshot was taken at; the learning rate stays as
+the schedule left it; frozen parameters are never copied."""
 
 from __future__ import annotations
 

@@ -126,8 +126,8 @@ def test_a_restart_trusts_only_the_checkpoints_its_launch_published():
 # ---------------------------------------------------------------------------------------------------- healthy resume
 def test_resume_true_passes_over_nan_and_half_written_checkpoints(toy_models, tmp_path):
     out = str(tmp_path / "out")
-    first = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", trainer_cls=recording(trainer_class("dpo")),
-                          max_steps=8, save_steps=2)
+    first = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded",
+                          trainer_cls=recording(trainer_class("dpo")), max_steps=8, save_steps=2)
     first.train()
     weights = os.path.join(out, "checkpoint-8", "model.safetensors")  # as another tool could have saved it
     tensors = load_file(weights)

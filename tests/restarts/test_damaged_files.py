@@ -68,12 +68,14 @@ DAMAGE = [
      "incomplete: `nan_guard_state.json` holds `skipped_steps` of type `str`"),
     ("trainer_state_nested", "trainer_state.json", b"[" * 100_000,
      "incomplete: `trainer_state.json` does not parse (RecursionError"),
-    ("index_nested", INDEX, b'{"weight_map": ' + b"[" * 100_000, f"incomplete: `{INDEX}` does not parse (RecursionError"),
+    ("index_nested", INDEX, b'{"weight_map": ' + b"[" * 100_000,
+     f"incomplete: `{INDEX}` does not parse (RecursionError"),
     ("safetensors_header_nested", "model.safetensors", struct.pack("<Q", 100_000) + b"[" * 100_000,
      "incomplete: `model.safetensors` has a header that does not parse (RecursionError"),
     ("trainer_state_unknown_field", "trainer_state.json", b'{"global_step": 4, "loss_scale": 1}',
      "incomplete: `trainer_state.json` holds `loss_scale`, not a field of transformers' `TrainerState`"),
-    ("guard_state_spike_overflow", "nan_guard_state.json", b'{"spike_window": {"loss": [1' + b"0" * 400 + b'], "grad_norm": [1.0]}}',
+    ("guard_state_spike_overflow", "nan_guard_state.json",
+     b'{"spike_window": {"loss": [1' + b"0" * 400 + b'], "grad_norm": [1.0]}}',
      "incomplete: `nan_guard_state.json` holds a `spike_window` that is not lists of numbers"),
 ]  # fmt: skip
 
@@ -101,7 +103,8 @@ def test_a_damaged_file_passes_the_checkpoint_over_with_the_reason(run, tmp_path
 
 
 @pytest.mark.parametrize(
-    "case", ["index_shard_climbs_out", "safetensors_entry_not_object", "guard_state_list", "trainer_state_unknown_field"]
+    "case",
+    ["index_shard_climbs_out", "safetensors_entry_not_object", "guard_state_list", "trainer_state_unknown_field"],
 )
 def test_resume_true_goes_on_from_the_good_checkpoint_beside_a_damaged_one(run, tmp_path, toy_models, case):
     out, seen = run

@@ -101,7 +101,8 @@ def test_latest_naming_a_tag_outside_the_checkpoint_is_refused(finished_run, tmp
 
 
 def test_latest_naming_another_tag_of_the_checkpoint_is_checked_too(finished_run, tmp_path):
-    """DeepSpeed loads the tag `latest` names, whatever its name: a payload there is found, not only in `global_step*`."""
+    """DeepSpeed loads the tag `latest` names, whatever its name: a payload there is found, not only in
+    `global_step*`."""
     reference, _ = finished_run
     out = str(tmp_path / "out")
     shutil.copytree(reference, out)

@@ -41,7 +41,9 @@ def test_a_missing_name_is_an_import_error_naming_the_versions():
     note = versions_note({"transformers": "5.1.0", "trl": "1.16.0"}, {"transformers": ">=5.3,<6", "trl": ">=1.16"})
     message = import_error_message(missing, note)
     assert "`transformers.Trainer._get_grad_norm` (added in transformers 5.3.0)" in message
-    assert "`transformers.Trainer.get_batch_samples` (added in transformers between 4.46 and 4.47) are missing" in message
+    assert (
+        "`transformers.Trainer.get_batch_samples` (added in transformers between 4.46 and 4.47) are missing" in message
+    )
     assert "Installed: transformers 5.1.0, trl 1.16.0; supported by safe-trainers: transformers>=5.3,<6" in message
     # The edge: a name the installed transformers lacks, with the versions read from the package metadata.
     absent = Touchpoint("transformers:Trainer", "_no_such_hook", "method", "overrides", "9.0.0", "-", "-", ())

@@ -7,9 +7,9 @@ logs stay monotonic (README, "The run's timeline").
 
 Each function takes the collaborators it acts on (the [`GuardPort`], the [`RollbackSource`], the [`EventLog`]) and the
 values it reports, does its action and returns what it did (a [`Restored`] record); the events are written by
-`records.py`; the guard decides when to call them and keeps its own counters and per-window state up to date from what they return.
-What only the trainer can do (load a checkpoint, save the abort checkpoint, drop GRPO's rollouts) is not here: the
-guard returns it as a decision (`port.py`) and the integration layer does it (`trainer/inspection.py`).
+`records.py`; the guard decides when to call them and keeps its own counters and per-window state up to date from what
+they return. What only the trainer can do (load a checkpoint, save the abort checkpoint, drop GRPO's rollouts) is not
+here: the guard returns it as a decision (`port.py`) and the integration layer does it (`trainer/inspection.py`).
 """
 
 from __future__ import annotations

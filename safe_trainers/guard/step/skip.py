@@ -9,7 +9,8 @@ The route is chosen from two facts, the loss scaler and the optimizer ([`skip_ro
   no gradient at all (a poisoned step, whose batches are not trained: see `restarts/step_progress.py`) leaves that
   record empty, which `GradScaler.step` and `GradScaler.update` refuse ("No inf checks were recorded"): the guard
   writes the record itself then. Like any overflow, the skipped step lowers the scale once; with a non-fused
-  optimizer accelerate reports the step skipped, so the LR schedule holds for that step, as for an overflow in stock fp16 training.
+  optimizer accelerate reports the step skipped, so the LR schedule holds for that step, as for an overflow in stock
+  fp16 training.
 - `"found_inf"`: a fused torch optimizer (`_step_supports_amp_scaling`) and no scaler: the flag is handed to the
   optimizer as its `found_inf`, which skips the update on the device and undoes its step count; the attribute is
   removed again after the step ([`clear_found_inf`]), so no later step and no pickled optimizer carries it.
