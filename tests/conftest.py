@@ -61,3 +61,12 @@ def config_only_model(toy_models, tmp_path):
     path.mkdir()
     shutil.copy(os.path.join(toy_models["qwen2"], "config.json"), path / "config.json")
     return str(path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` marks every test that trains a real trainer (it asks for the tiny saved models, `toy_models`) or
+    launches processes (`distributed`), on top of the modules that mark themselves: `python -m pytest -m "not slow"`
+    runs the rest, the unit tests, in a few minutes; CI runs everything (`python -m pytest`)."""
+    for item in items:
+        if "toy_models" in item.fixturenames or item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.slow)

@@ -117,13 +117,13 @@ class Loop:
         """The guard's hot path for a step whose loss is `loss`: returns the device skip flag."""
         self.guard.observe_loss(loss)  # `training_step`
         skip = self.guard.end_of_step(grad_norm)  # `_get_grad_norm`
-        self.guard.apply_skip()  # `on_pre_optimizer_step`: the optimizer the guard bound to
+        self.guard.apply_skip(self.optimizer)  # `on_pre_optimizer_step`
         return skip
 
     def update(self) -> None:
         with one_thread():
             self.optimizer.step()
-        self.guard.after_update()  # `on_optimizer_step`
+        self.guard.after_update(self.optimizer)  # `on_optimizer_step`
         if self.armed == "update":
             self.poison_a_weight()
         self.optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .step.skip import unwrap_optimizer
+
 FSDP1_REFUSED = (
     "`nan_guard=True` protects FSDP version 2 (`fully_shard`), got FSDP version 1. Use FSDP2, TRL's recommended "
     "multi-GPU setup: `fsdp_config={'version': 2}` (or `fsdp_version: 2` in the accelerate config, e.g. "
@@ -34,12 +36,6 @@ class Backend:
     zero_stage: int | None
     loss_scaled: bool
     scaler: Any = None
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The optimizer inside accelerate's `AcceleratedOptimizer` (`trainer.optimizer`), or `optimizer` itself when it
-    wraps none (`None` stays `None`)."""
-    return getattr(optimizer, "optimizer", optimizer)
 
 
 def backend_problem(fsdp_version: int | None = None, zero_stage: int | None = None) -> str | None:

@@ -26,8 +26,14 @@ from ..runtime.finite import all_finite, deepspeed_state_tensors, optimizer_tens
 from ..runtime.ports import UNWATCHED, FlagRider, StepClock
 from .backends import Backend, unwrap_optimizer
 from .diagnosis import RecentBatches
-from .policy import can_roll_back, diagnosed_step, inspection_due, judge_window, spike_run_rolled_back
-from .policy import unexplained_overflows
+from .policy import (
+    can_roll_back,
+    diagnosed_step,
+    inspection_due,
+    judge_window,
+    spike_run_rolled_back,
+    unexplained_overflows,
+)
 from .port import Decision, EndRestore, GuardPort, Judged
 from .records import diverged_error, nonfinite_start_message, record_rollback, record_window
 from .rollback.actions import Restored, record_end_restore, restore_last_good, scale_learning_rate, undo_backoff
@@ -55,14 +61,9 @@ class NanGuard:
     """
 
     def __init__(
-        self,
-        settings: Any,
-        config: Any,
-        port: GuardPort,
-        events: EventLog,
-        clock: StepClock = UNWATCHED,
+        self, settings: Any, config: Any, port: GuardPort, events: EventLog, clock: StepClock = UNWATCHED,
         rider: FlagRider | None = None,
-    ):
+    ):  # fmt: skip
         self.settings, self.config, self.port = settings, config, port
         self.events, self.clock, self.rider = events, clock, rider
         self.ledger = LossLedger()
@@ -145,15 +146,14 @@ class NanGuard:
         self.ledger.end_step(fault)
         return fault
 
-    def apply_skip(self) -> None:
-        """Make the bound optimizer's `step()` a no-op when the step is a fault (after clipping, before the step)."""
+    def apply_skip(self, optimizer: Any) -> None:
+        """Make `optimizer.step()` a no-op when the step is a fault (called after clipping, before the step)."""
         if not self.deepspeed:  # DeepSpeed skips them itself
-            self.flags.skip_update(self.backend.optimizer, self.backend.scaler)
+            self.flags.skip_update(optimizer, self.backend.scaler if self.backend is not None else None)
 
-    def after_update(self) -> None:
+    def after_update(self, optimizer: Any) -> None:
         """After `optimizer.step()`: take back what `apply_skip` handed the optimizer."""
-        if not self.deepspeed:
-            self.flags.after_update(self.backend.optimizer)
+        self.flags.after_update(optimizer)
 
     # ------------------------------------------------------------------ when to inspect
     def due(self, control: Any) -> tuple[bool, bool] | None:

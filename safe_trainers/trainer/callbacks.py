@@ -33,11 +33,11 @@ class NanGuardCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs: Any):
         inspection.begin(self.trainer)
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs: Any):
-        self.trainer.safe_run.guard.apply_skip()  # the optimizer the guard bound to at `on_train_begin`
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs: Any):
+        self.trainer.safe_run.guard.apply_skip(optimizer if optimizer is not None else self.trainer.optimizer)
 
-    def on_optimizer_step(self, args, state, control, **kwargs: Any):
-        self.trainer.safe_run.guard.after_update()
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs: Any):
+        self.trainer.safe_run.guard.after_update(optimizer if optimizer is not None else self.trainer.optimizer)
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self._at_boundary(control)

@@ -57,10 +57,10 @@ class ScaledRun:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         if self.flags is not None:
             self.flags.end_step(self.step, norm, "cpu", dropped=kind == "poisoned")
-            self.flags.skip_update(self.optimizer, self.scaler)  # the torch optimizer the guard binds to
+            self.flags.skip_update(self.wrapped, self.scaler)
         self.wrapped.step()
         if self.flags is not None:
-            self.flags.after_update(self.optimizer)
+            self.flags.after_update(self.wrapped)
         self.optimizer.zero_grad(set_to_none=True)
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -124,9 +124,9 @@ def test_a_step_whose_gradients_were_not_unscaled_yet_is_checked_first():
     run.scaler.scale(loss).backward()
     run.flags.observe_loss(loss)
     run.flags.end_step(2, torch.tensor(1.0), "cpu")
-    run.flags.skip_update(run.optimizer, run.scaler)
+    run.flags.skip_update(run.wrapped, run.scaler)
     run.wrapped.step()
-    run.flags.after_update(run.optimizer)
+    run.flags.after_update(run.wrapped)
     assert same(run.state(), before)
 
 
@@ -145,9 +145,9 @@ def test_a_fault_is_folded_into_one_devices_record_of_a_model_on_two_devices(ove
     record = run.scaler._found_inf_per_device(run.optimizer)
     record[torch.device("cpu", 0)] = torch.tensor(float(overflow_elsewhere))  # the second device's own check
     run.flags.end_step(2, torch.tensor(1.0), "cpu")
-    run.flags.skip_update(run.optimizer, run.scaler)
+    run.flags.skip_update(run.wrapped, run.scaler)
     run.wrapped.step()
-    run.flags.after_update(run.optimizer)
+    run.flags.after_update(run.wrapped)
     assert same(run.state(), before)
 
 

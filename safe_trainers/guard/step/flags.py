@@ -17,7 +17,7 @@ import torch
 from ...runtime.collectives import max_across_ranks, ranks_with_flag
 from ...runtime.sharding import replicated
 from ..policy import StepReading
-from .skip import clear_found_inf, skip_if_faulted
+from .skip import clear_found_inf, skip_if_faulted, unwrap_optimizer
 from .spikes import SpikeWindow
 
 
@@ -124,16 +124,16 @@ class StepFlags:
 
     def skip_update(self, optimizer: Any, scaler: Any = None) -> None:
         """Make `optimizer.step()` a no-op when the step just closed is skipped, a fault or a spike (after clipping,
-        before the step): through the fp16 loss `scaler`'s own `found_inf` when one drives the step, else the torch
-        `optimizer`'s (accelerate's wrapper unwrapped; see `skip.py`)."""
+        before the step): through the fp16 loss `scaler`'s own `found_inf` when one drives the step, else `optimizer`'s
+        (the torch optimizer inside accelerate's wrapper; see `skip.py`)."""
         fault = self.fault_now
         if fault is None:
             return
-        skip_if_faulted(optimizer, scaler, fault)
+        skip_if_faulted(unwrap_optimizer(optimizer), scaler, fault)
 
     def after_update(self, optimizer: Any) -> None:
-        """After `optimizer.step()`: remove the `found_inf` handed to a fused torch `optimizer`."""
-        clear_found_inf(optimizer)
+        """After `optimizer.step()`: remove the `found_inf` handed to a fused `optimizer`."""
+        clear_found_inf(unwrap_optimizer(optimizer))
 
     def read(self) -> list[StepReading]:
         """The pending steps as [`StepReading`]s, in one device-to-host transfer (and, only when a step is bad, one

@@ -40,6 +40,12 @@ ROUTES: dict[tuple[bool, bool], SkipRoute] = {
 }
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside accelerate's `AcceleratedOptimizer` (`trainer.optimizer`), or `optimizer` itself when it
+    wraps none (`None` stays `None`)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def skip_route(scaled: bool, fused: bool) -> SkipRoute:
     """How a faulted step is skipped: `scaled`, an enabled loss scaler drives `optimizer.step()`; `fused`, the
     optimizer takes a device `found_inf` flag (see the module docstring)."""
