@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from net_utils import free_port
 
 from safe_trainers.cli.main import main
@@ -34,6 +36,7 @@ def check(args: list[str], **env: str | None) -> tuple[subprocess.CompletedProce
     return done, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_negative_learning_rate_after_a_space_fails_check(tmp_path):
     # was: exit 0 with `--learning_rate=-1e-5`; 168 lines of usage under `train_dpo` with `--learning_rate -1e-5`
     config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\n")
@@ -66,6 +69,7 @@ def test_a_missing_config_file_fails_with_the_scripts_message(tmp_path, capsys):
     assert "`config=" in (err := capsys.readouterr().err) and "names no file" in err
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_shipped_config_without_the_hub_answers_offline_in_one_line(tmp_path):
     # was: 40-105 s of "Retrying in 8s" before the report
     env = {"HF_HUB_OFFLINE": None, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp_path)}
@@ -76,6 +80,7 @@ def test_a_shipped_config_without_the_hub_answers_offline_in_one_line(tmp_path):
     assert "`Qwen/Qwen2.5-0.5B-Instruct` is a `qwen2` model, inferred from the name" in output
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_the_users_hf_hub_offline_is_honoured_without_a_probe(tmp_path):
     with socket.socket() as listener:  # a Hub endpoint that would see the probe's connection
         listener.bind(("127.0.0.1", 0))

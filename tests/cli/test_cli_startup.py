@@ -39,6 +39,7 @@ def test_the_light_commands_import_no_ml_library(argv):
     assert heavy_modules_after(argv) == []
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_import_safe_trainers_resolves_names_on_first_use():
     code = (
         "import sys, safe_trainers as st\n"

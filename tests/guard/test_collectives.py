@@ -113,6 +113,7 @@ def two_ranks(tmp_path_factory) -> dict[int, dict]:
     return results
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_two_ranks_are_distributed(two_ranks):
     assert [two_ranks[r]["distributed"] for r in range(WORLD)] == [True, True]
 

@@ -23,6 +23,7 @@ PREEMPTION = ["--hidden", "32", "--layers", "1", "--seq", "16", "--batch", "2", 
               "--overhead-steps", "3"]  # fmt: skip
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 @pytest.mark.parametrize(
     "script,args,expected",
     [

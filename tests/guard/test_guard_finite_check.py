@@ -85,6 +85,7 @@ print(json.dumps({"finite": finite, "extra": extra}))
 """
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_the_check_holds_at_most_one_piece_beyond_its_inputs(layout):
     # A fresh process, so that its peak resident memory is this check's: the check before this one made an fp32 copy

@@ -182,6 +182,7 @@ print(json.dumps({"restored": restored and torch.equal(param[-1, -4:], expected)
 """
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_repair_reads_the_file_in_pieces_and_holds_no_whole_copy():
     # A fresh process watching its anonymous memory: the repair before this one loaded the file's whole tensor and
     # made a second copy of it on the parameter's device (2x a 256 MiB weight here; on a GPU, device memory).

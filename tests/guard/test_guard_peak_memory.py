@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from safe_trainers.testing.toy import build_model, build_tokenizer
@@ -36,6 +37,7 @@ def _peak(model: str, run: str, out: str) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_the_guard_adds_at_most_5_percent_of_a_lora_base_plus_64_mib(tmp_path):
     shape = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12)
     base = build_model("qwen2", num_key_value_heads=6, max_position_embeddings=4096, **shape).to(torch.bfloat16)

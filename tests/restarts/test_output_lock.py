@@ -48,6 +48,7 @@ def test_the_lock_file_names_a_holder_and_which_part_each_process_takes():
         assert Holder.from_json(text) is None
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_second_run_is_refused_while_the_first_trains_and_the_first_keeps_its_checkpoints(tmp_path):
     model = save_toy_model(str(tmp_path / "model"), "qwen2")
     out, run = tmp_path / "out", tmp_path / "out" / "run"
@@ -86,6 +87,7 @@ def test_a_second_run_is_refused_while_the_first_trains_and_the_first_keeps_its_
     assert read_holder(str(run / LOCK_FILE)).pid == os.getpid()
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_the_lock_holds_while_the_run_uploads_its_output_dir_to_the_hub(tmp_path):
     # `push_to_hub=True` uploads `output_dir` at every save, from the run's own process: the upload reads every file
     # there, the lock file too. A POSIX record lock is dropped when its process closes any descriptor of the file.
@@ -113,6 +115,7 @@ def test_the_lock_holds_while_the_run_uploads_its_output_dir_to_the_hub(tmp_path
     assert checkpoint_steps(str(run)) == [4, 8]
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_lock_left_by_a_killed_process_never_blocks_the_next_run(tmp_path):
     model = save_toy_model(str(tmp_path / "model"), "qwen2")
     out, run = tmp_path / "out", tmp_path / "out" / "run"
@@ -152,6 +155,7 @@ def test_two_nodes_saving_on_each_node_to_shared_storage_never_remove_what_the_o
     assert read_progress(str(run)).history.checkpoints == (8,)
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_an_error_taking_the_lock_on_rank_0_is_raised_on_every_node_not_waited_for(tmp_path):
     # The lock file is a link (refused on purpose, ELOOP): rank 0 cannot take the lock. Two torchrun agents ("nodes"),
     # so no launcher stops node 1 when node 0 fails: before, node 1 waited in the collective for rank 0's answer until

@@ -212,6 +212,7 @@ def test_a_hang_without_an_agent_is_reported_and_the_process_goes_on(toy_models,
     assert trainer.safe_run.watchdog.timed == 3  # steps 2, 4, 5: the hung step is not learned from
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_hang_with_the_exit_asked_for_ends_the_process_with_status_124(tmp_path):
     # `hang_action="exit"` in a plain process (a scheduler that restarts on status 124): stacks, then exit 124.
     model = save_toy_model(str(tmp_path / "model"), "qwen2")

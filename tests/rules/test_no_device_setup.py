@@ -83,6 +83,7 @@ def test_check_of_an_online_trainer_sets_up_no_device(toy_models, tmp_path):
     assert not (state["process_group"] or state["partial_state"] or state["cuda"]), state
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 @pytest.mark.parametrize("kind", ["dpo", "grpo"])
 def test_the_fixed_copy_of_args_sets_up_nothing_new(tmp_path, kind):
     # was: the copy's `__post_init__` reset accelerate's state, so the user's `Accelerator` lost its `mixed_precision`

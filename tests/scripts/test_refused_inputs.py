@@ -177,6 +177,7 @@ def test_resume_true_on_the_command_line_means_the_newest_checkpoint(value, targ
         assert judge("settings", {"resume_from_checkpoint": value}, Facts(checkpoint=places.local(str(value)))) == []
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_resume_true_resumes_the_newest_checkpoint(tmp_path):
     out = tmp_path / "out"
     quick = ["--output_dir", str(out), "--save_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]

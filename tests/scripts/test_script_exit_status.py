@@ -56,6 +56,7 @@ def prefs(tmp_path) -> str:
     return write_jsonl(tmp_path / "prefs.jsonl", toy.dataset_for("dpo").to_list())
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_model_path_that_does_not_exist(prefs, tmp_path):
     done, output = train_dpo(["--model_name_or_path", "models/does-not-exist", "--dataset_name", prefs], tmp_path)
     # was: OSError "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"
@@ -64,16 +65,19 @@ def test_a_model_path_that_does_not_exist(prefs, tmp_path):
     assert "Loading weights" not in output
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_missing_config_file(tmp_path):
     done, output = train_dpo(["--config", "missing.yaml"], tmp_path)  # was: FileNotFoundError from TRL's parser
     assert_refused(done, output, "`config='missing.yaml'`", "names no file", "configs/trainers/dpo.yaml")
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_an_unknown_rule_id_to_disable(tmp_path):
     done, output = train_dpo(["--safety_disable_rules", "optim.nope"], tmp_path)  # was: the same text in a traceback
     assert_refused(done, output, "`safety_disable_rules`", "['optim.nope']", "optim.grad_clip")
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 @pytest.mark.parametrize("form", [["--learning_rate=-1e-5"], ["--learning_rate", "-1e-5"]], ids=["equals", "space"])
 def test_a_negative_learning_rate_before_any_model(form, tmp_path):
     # was: torch's "Invalid learning rate" after the model loaded (`=`), or argparse's usage of every option (space)
@@ -104,6 +108,7 @@ def test_every_row_truncated_away(toy_models, prefs, tmp_path):
     assert_refused(done, output, "[data.no_loss_tokens]", "`max_length=2`", "Raise `max_length`")
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_a_shipped_config_on_a_machine_without_the_hub(tmp_path):
     # No Hub: the endpoint is a closed local port, the cache is empty. Was: ConnectionError after minutes of retries.
     env = hub_unreachable(tmp_path)

@@ -121,6 +121,7 @@ def test_grpo_main_with_module_reward(toy_models, tmp_path, monkeypatch):
     assert changed_tensors(before, load_file(str(out / "model.safetensors")))
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_kto_main_on_the_embedded_toy_default(tmp_path):
     """No model and no dataset: a toy model is built into `<output_dir>/toy-model` and trained on the toy data."""
     out = tmp_path / "out"

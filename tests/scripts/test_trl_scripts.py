@@ -217,6 +217,7 @@ def check_trained_and_saved(run: ScriptRun) -> None:
     assert any(not torch.equal(after[k], before[k]) for k in before), "the saved weights are the initial ones"
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 @pytest.mark.parametrize("kind", TRAINER_KINDS)
 def test_trl_script_with_safe_trainers_imports(kind, script_runs):
     run = script_runs[(kind, "safe")]

@@ -524,6 +524,7 @@ print(json.dumps({"import": after_import, "names": after_names, "star": sorted(k
 """
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_import_stays_lazy_and_star_import_is_the_pipeline(tmp_path):
     done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -49,6 +49,7 @@ def eos_positions(trainer) -> list[int]:
     return last
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 @pytest.mark.parametrize("pad", ["<eos>", None])
 def test_reward_model_padded_with_eos_gets_a_distinct_pad_token(pad, tmp_path):
     tok = build_tokenizer()
@@ -90,6 +91,7 @@ def zero_eos_model(tmp_path_factory) -> str:
     return save_model(str(tmp_path_factory.mktemp("zero-eos")), zero_rows=[1])
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_untrained_eos_embedding_set_to_the_mean(zero_eos_model, tmp_path):
     trainer = build_trainer("dpo", zero_eos_model, tmp_path)
     (finding,) = trainer.safety_report.by_rule("tokens.untrained_embeddings")
@@ -139,6 +141,7 @@ def sampled_ids(trainer_kwargs, path, tmp_path) -> list[int]:
     return trainer, seen
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_grpo_padded_vocabulary_never_samples_ids_past_the_tokenizer(padded_vocab_model, tmp_path):
     trainer, seen = sampled_ids({}, padded_vocab_model, tmp_path)
     assert actions(trainer)["grpo.vocab_size"] == "fixed"
@@ -146,6 +149,7 @@ def test_grpo_padded_vocabulary_never_samples_ids_past_the_tokenizer(padded_voca
     assert seen and max(seen) < len(trainer.processing_class) == 384
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_grpo_padded_vocabulary_samples_undecodable_ids_without_the_rule(padded_vocab_model, tmp_path):
     # the control: a random policy samples ids 384..511, which the tokenizer decodes to nothing
     _, seen = sampled_ids({"safety_disable_rules": ["grpo.vocab_size"]}, padded_vocab_model, tmp_path)

@@ -88,6 +88,7 @@ def test_fp16_instance_full_finetune_reference_model_is_not_fp16(toy_models, tmp
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a process of its own, or a real run
 def test_reward_lora_fp16_checkpoint_is_not_reloaded_in_fp16(gemma2_rm_fp16, tmp_path):
     lora = LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"], r=4)
     trainer = build_trainer(
