@@ -1,5 +1,6 @@
 """The host layout of the guard's copies (`safe_trainers.runtime.host_buffers`): one buffer per dtype, sized exactly,
-a view per tensor, allocated once and reused; and a snapshot's restore into the live tensors (`snapshot.py`)."""
+a view per tensor, allocated once and reused; and a snapshot's restore into the live tensors
+(`guard/rollback/memory.py`)."""
 
 from __future__ import annotations
 
