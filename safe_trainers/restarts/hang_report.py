@@ -33,7 +33,7 @@ def hang_exits(action: str, env: Mapping[str, str]) -> bool:
 
     Args:
         action: `hang_action`: `"auto"`, `"exit"` or `"report"`.
-        env: the process's environment (torchrun's agent describes itself there, see `launch.py`).
+        env: the process's environment (torchrun's agent describes itself there, see `agents.py`).
     """
     return action == "exit" or (action == "auto" and will_restart(env))
 

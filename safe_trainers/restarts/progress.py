@@ -57,7 +57,7 @@ class History:
     """What a process inherits from the earlier processes of its run.
 
     `launch`, `restart`, `stage`, `origin`, `checkpoints` and `result` say whose record it is and what that launch did
-    (see `launch.py`): the elastic agents of the launch and the restart count of the process that writes the record,
+    (see `agents.py`): the elastic agents of the launch and the restart count of the process that writes the record,
     which of the script's `train()` calls with this `output_dir` it is, the checkpoint the launch began from, the
     steps of the checkpoints it published (a restarted process trusts only these, never those an earlier run left in
     the same `output_dir`), and what its `train()` returned once it finished.

@@ -8,7 +8,7 @@ checkpoint of `output_dir` with nothing else passed, as `resume_from_checkpoint=
 `checkpoint_choice.py`), and inherits the run's history of deaths (see `progress.py`).
 
 It trusts only what its own launch wrote: the step record names the launch by what the elastic agent keeps across
-its restarts (see `launch.py`; never a parent process id or a file time), the script's `train()` call, and the
+its restarts (see `agents.py`; never a parent process id or a file time), the script's `train()` call, and the
 checkpoints the launch published. A call that had finished before the restart (the process died in `save_model` or
 in the script's next stage) trains no step: it resumes from its final checkpoint, where the trainer stops before
 fetching a batch, and returns what it returned before.

@@ -10,9 +10,9 @@ A snapshot ([`HostSnapshot`]) holds, in host memory (pinned on GPU machines), wh
   master).
 
 DDP keeps all of it whole on every rank; ZeRO and FSDP2 shard it over the data-parallel ranks, each rank copying
-only its own shard. The tensors live in one buffer per dtype, sized exactly (the guard's `host_buffers.py`), so these
-are the bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out. Built from a
-trainer (`rules/stages.py::snapshot_facts`), one process and DDP count each trainable parameter in its own dtype
+only its own shard. The tensors live in one buffer per dtype, sized exactly (`runtime/host_buffers.py`), so these are
+the bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out. Built from a trainer
+(`rules/stages.py::snapshot_facts`), one process and DDP count each trainable parameter in its own dtype
 (`RunShape.trainable_bytes`: a bf16 full fine-tune holds 6 bytes a parameter, not 10).
 
 Example:

@@ -1,6 +1,6 @@
 """Checkpoint directories: their names (`checkpoint-<step>`, transformers' own prefix), and the staging directory a
 checkpoint is written to before it is renamed into place (never half-written under its final name; publishing and
-the recovery after a crash are in `publishing.py`)."""
+the recovery after a crash are in `restarts/publishing.py`)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ logger = logging.getLogger("safe_trainers")
 def begin(trainer: Any) -> None:
     """Training starts (`on_train_begin`): the guard binds to the backend and keeps its first good state."""
     run = trainer.safe_run
+    run.port.bind(trainer)  # the state, the model and the scheduler of this `train()` call
     rollback_from, note = rollback_source(trainer.safety_settings, trainer.args, trainer.safety_report)
     if note is not None and trainer.is_world_process_zero():
         logger.warning(note)  # the config and the guard disagree: said, with the rule that decided

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,28 +10,21 @@ import torch
 from ..guard import Backend, backend_problem, unwrap_optimizer
 
 
+@dataclass
 class TrainerPort:
-    """A [`GuardPort`] reading a live trainer: each fact is read when the guard asks (the model and the scheduler
-    are replaced while `train()` sets up, the state when a run starts)."""
+    """A [`GuardPort`] over a trainer: the facts the guard reads, as plain values, bound when training starts
+    ([`bind`], at `on_train_begin`: the Trainer makes its state, wraps the model and makes the scheduler inside
+    `train()`), so the guard's reads on the per-step path are attribute reads, not calls."""
 
-    def __init__(self, trainer: Any):
-        self._trainer = trainer
+    state: Any = None
+    device: torch.device | None = None
+    model: torch.nn.Module | None = None
+    scheduler: Any = None
 
-    @property
-    def state(self) -> Any:
-        return self._trainer.state
-
-    @property
-    def device(self) -> torch.device:
-        return self._trainer.args.device
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self._trainer.model
-
-    @property
-    def scheduler(self) -> Any:
-        return self._trainer.lr_scheduler
+    def bind(self, trainer: Any) -> None:
+        """Read the facts of the `train()` call that starts."""
+        self.state, self.device = trainer.state, trainer.args.device
+        self.model, self.scheduler = trainer.model, trainer.lr_scheduler
 
 
 def training_backend(trainer: Any) -> Backend:

@@ -79,6 +79,7 @@ class SafeRun:
         guard ([`NanGuard`], *optional*): the NaN guard (also `trainer.nan_guard`, for users).
         events ([`EventLog`], *optional*): the run's event log, shared by the guard, the step record, preemption and
             the watchdog.
+        port ([`TrainerPort`], *optional*): the guard's view of the trainer, bound when training starts.
         progress ([`StepProgress`], *optional*): the step record across restarts.
         preemption ([`Preemption`], *optional*): with `preempt_signals`.
         watchdog ([`HangWatchdog`], *optional*): with `hang_timeout > 0`.
@@ -92,6 +93,7 @@ class SafeRun:
 
     guard: NanGuard | None = None
     events: EventLog | None = None
+    port: TrainerPort | None = None
     progress: StepProgress | None = None
     preemption: Preemption | None = None
     watchdog: HangWatchdog | None = None
@@ -122,7 +124,8 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
             on_hang=lambda step, detail: events.add(RunEvent(step, "hang", [], [args.process_index], detail)),
         )  # fmt: skip
     clock = run.watchdog if run.watchdog is not None else UNWATCHED
-    run.guard = NanGuard(settings, args, TrainerPort(trainer), events, clock=clock, rider=run.preemption)
+    run.port = TrainerPort()
+    run.guard = NanGuard(settings, args, run.port, events, clock=clock, rider=run.preemption)
     main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
     run.progress = StepProgress(events, args.output_dir, main, can_leave_out=leave_out)
     run.compile_watch = CompileWatch([run.progress] + ([run.watchdog] if run.watchdog is not None else []))

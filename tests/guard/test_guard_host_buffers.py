@@ -1,5 +1,6 @@
 """The host layout of the guard's copies (`safe_trainers.runtime.host_buffers`): one buffer per dtype, sized exactly,
-a view per tensor, allocated once and reused; and a snapshot's restore into the live tensors (`snapshot.py`)."""
+a view per tensor, allocated once and reused; and a snapshot's restore into the live tensors
+(`guard/rollback/memory.py`)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def test_one_exact_buffer_per_dtype_and_every_tensor_a_view_of_it(specs):
         buffer = buffers.buffers[dtype]
         assert view.shape == shape and view.dtype == dtype and view.is_contiguous()
         assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # aliases the buffer
-        # An empty view's `data_ptr()` is 0 in torch, wherever its storage is: its place in the buffer is its offset.
-        assert view.numel() == 0 or view.data_ptr() == buffer.data_ptr() + slot.offset * buffer.element_size()
+        assert view.storage_offset() == buffer.storage_offset() + slot.offset  # at its slot, empty views too
+        if view.numel():  # torch reports an empty tensor's `data_ptr()` as 0, wherever it points
+            assert view.data_ptr() == buffer.data_ptr() + slot.offset * buffer.element_size()
         assert view.data_ptr() % view.element_size() == 0  # aligned for its dtype
     # No two views overlap: together they tile each buffer.
     for dtype, n in sizes.items():

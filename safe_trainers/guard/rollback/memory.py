@@ -8,7 +8,7 @@ weights: `global_step`, the data position, the LR schedule position, the loss sc
 the token/FLOP counters keep going (see `rollback/actions.py`).
 
 Tensors go to host memory: one buffer per dtype, sized exactly and reused from one snapshot to the next, each tensor a
-view of it (`host_buffers.py`); page-locked when a GPU is used, with non-blocking copies that queue behind the
+view of it (`runtime/host_buffers.py`); page-locked when a GPU is used, with non-blocking copies that queue behind the
 training step on the same stream, so taking a snapshot does not stall the step. A restore copies each tensor back
 into the live tensor it replaces, on that tensor's device and in its dtype, so neither needs more than the tensor
 itself. Under DeepSpeed ZeRO and FSDP2 each rank keeps its own shard (for FSDP2, the local shards of its `DTensor`
