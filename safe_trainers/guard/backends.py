@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.finite import deepspeed_state_tensors, optimizer_tensors
 from .step.skip import unwrap_optimizer
 
 FSDP1_REFUSED = (
@@ -52,4 +53,13 @@ def backend_problem(fsdp_version: int | None = None, zero_stage: int | None = No
     return None
 
 
-__all__ = ["Backend", "backend_problem", "unwrap_optimizer"]
+def state_tensors(backend: Backend | None, model: Any) -> list[Any]:
+    """What the guard checks: the weights and optimizer state of `model` trained by `backend` (DeepSpeed's ZeRO
+    partitions, which hold both, under DeepSpeed; `None`: not bound yet, the weights alone)."""
+    if backend is not None and backend.zero_stage is not None:
+        return deepspeed_state_tensors(backend.optimizer, backend.zero_stage)
+    optimizer = backend.optimizer if backend is not None else None
+    return list(model.parameters()) + (optimizer_tensors(optimizer) if optimizer is not None else [])
+
+
+__all__ = ["Backend", "backend_problem", "state_tensors", "unwrap_optimizer"]

@@ -5,9 +5,8 @@ norm, agreed across ranks; a loss or gradient-norm spike joins it), and `apply_s
 `optimizer.step()` so the update is not applied (`step/`). An fp16 loss scaler's overflow is recorded, not a fault.
 
 At inspection points (log, save, evaluation, the last step, every `nan_snapshot_steps`) the flags are read back in
-one transfer ([`judge`]) and judged by the pure policy (`policy.judge_window`); [`settle`] records them and decides.
-The timeline never rewinds: a rollback puts back only the weights and optimizer state of the last good state (see
-`rollback/actions.py`). The guard holds no trainer: what only the trainer can do, it returns ([`Decision`]).
+one transfer and judged ([`judge`], `policy.py`); [`settle`] decides. A rollback puts back only the weights and
+optimizer state (`rollback/`). The guard holds no trainer: what only the trainer can do, it returns ([`Decision`]).
 """
 
 from __future__ import annotations
@@ -22,9 +21,9 @@ from ..errors import TrainingDivergedError
 from ..runtime.checkpoint_dirs import checkpoint_step
 from ..runtime.collectives import ranks_with_flag
 from ..runtime.events import EventLog
-from ..runtime.finite import all_finite, deepspeed_state_tensors, optimizer_tensors
+from ..runtime.finite import all_finite
 from ..runtime.ports import UNWATCHED, FlagRider, StepClock
-from .backends import Backend, unwrap_optimizer
+from .backends import Backend, state_tensors, unwrap_optimizer
 from .diagnosis import RecentBatches
 from .policy import (
     can_roll_back,
@@ -66,10 +65,7 @@ class NanGuard:
     ):  # fmt: skip
         self.settings, self.config, self.port = settings, config, port
         self.events, self.clock, self.rider = events, clock, rider
-        self.ledger = LossLedger()
-        self.batches = RecentBatches()
-        self.state = GuardState()
-        self.rollbacks_this_run = 0
+        self.ledger, self.batches, self.state, self.rollbacks_this_run = LossLedger(), RecentBatches(), GuardState(), 0
         self.spikes: SpikeWindow | None = None
         self.backend: Backend | None = None  # bound when training starts (`begin`)
         self.rollback_from: str = settings.nan_rollback_from
@@ -78,8 +74,7 @@ class NanGuard:
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags, self.deepspeed = StepFlags(), False  # DeepSpeed steps in `backward`, skips non-finite steps itself
-        self._consecutive = 0
-        self._refresh_best = False
+        self._consecutive, self._refresh_best = 0, False
 
     def start_run(self, resume_from: str | None, optimizer: Any = None) -> None:
         """A `train()` call starts: a new run starts its own event log and counters (and takes a previous run's
@@ -189,30 +184,46 @@ class NanGuard:
         return judged
 
     def settle(self, judged: Judged, diagnosis: dict[str, Any] | None = None) -> Decision:
-        """Record an inspection's events (with the `diagnosis` of the replayed step, if any) and decide: restore the
-        last good state (and go on, or stop), or take a snapshot."""
+        """Decide on an inspection: restore the last good state (and go on, or stop), or take a snapshot. Its events
+        (with the `diagnosis` of the replayed step, if any) are recorded now, or, before a restore from memory, right
+        after it ([`record`]): the state is restored first."""
         verdict = judged.verdict
-        record_window(self.events, verdict, diagnosis, self.state, spikes_skipped=not self.deepspeed)
+        decision = Decision(verdict, records=judged.records, diagnosis=diagnosis if not verdict.skipped else None)
+        decision.replayed = diagnosis
+        if verdict.rollback is None:
+            self.record(decision)
+            if judged.snapshot and judged.state_finite and verdict.consecutive == 0:
+                # Only right after an applied step: a rollback then restores the state before the fault.
+                decision.publish_good_state = self.take_snapshot()
+            return decision
+        decision.restore = True
+        decision.abort = not can_roll_back(self.rollbacks_this_run, self.settings.nan_max_rollbacks)
+        if self.spikes is not None and spike_run_rolled_back(verdict):
+            self.spikes.restart()  # warm up again on the run's level (also in the abort's saved state)
+        self.refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
+        if self.rollback_from == "checkpoint":  # before the load, which may find no good state left (`abort`)
+            self.record(decision)
+        decision.load = self.snapshotter.to_load(self.port.state.global_step)
+        return decision
+
+    def record(self, decision: Decision) -> None:
+        """Record the inspection's events (overflows, spikes, skips) and counters, once: before any `rollback` or
+        `abort` event of the same inspection, and also when the restore fails."""
+        if decision.recorded:
+            return
+        decision.recorded, verdict = True, decision.verdict
+        record_window(self.events, verdict, decision.replayed, self.state, spikes_skipped=not self.deepspeed)
         self.ledger.record_skips(len(verdict.skipped) + len(verdict.spikes))
         self.batches.clear()
-        decision = Decision(verdict, records=judged.records, diagnosis=diagnosis if not verdict.skipped else None)
-        if verdict.rollback is not None:
-            decision.restore = True
-            decision.abort = not can_roll_back(self.rollbacks_this_run, self.settings.nan_max_rollbacks)
-            if self.spikes is not None and spike_run_rolled_back(verdict):
-                self.spikes.restart()  # warm up again on the run's level (also in the abort's saved state)
-            self.refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
-            decision.load = self.snapshotter.to_load(self.port.state.global_step)
-        elif judged.snapshot and judged.state_finite and verdict.consecutive == 0:
-            # Only right after an applied step: a rollback then restores the state before the fault.
-            decision.publish_good_state = self.take_snapshot()
-        return decision
 
     def restore(self, decision: Decision) -> Restored:
         """Put the last good state back (after the caller loaded `decision.load`, if any), back the learning rate off
         and count it; record the `rollback` event unless the run stops (`decision.abort`)."""
-        with self.clock.paused():  # a copy of the whole state: not timed as part of the step
-            restored = restore_last_good(self.port, self.snapshotter, self.settings.nan_lr_backoff)
+        try:
+            with self.clock.paused():  # a copy of the whole state: not timed as part of the step
+                restored = restore_last_good(self.port, self.snapshotter, self.settings.nan_lr_backoff)
+        finally:
+            self.record(decision)  # the window's events, before the `rollback` (or `abort`) event
         self.state.lr_scale *= restored.lr_factor
         self.state.discarded_steps += len(restored.discarded_steps)
         self.verified_step = restored.at_step  # verified when it was taken
@@ -251,17 +262,9 @@ class NanGuard:
         return restored
 
     def state_is_finite(self) -> bool:
-        """Whether the weights and optimizer state are finite on every rank (a collective and a host sync).
-
-        The ranks whose own state is non-finite are kept in `self.damaged_ranks`.
-        """
-        backend = self.backend
-        if backend is not None and backend.zero_stage is not None:
-            tensors = deepspeed_state_tensors(backend.optimizer, backend.zero_stage)
-        else:
-            optimizer = backend.optimizer if backend is not None else None
-            tensors = list(self.port.model.parameters()) + (optimizer_tensors(optimizer) if optimizer else [])
-        finite = all_finite(tensors).to(self.port.device)
+        """Whether the weights and optimizer state are finite on every rank (a collective and a host sync); the ranks
+        whose own state is not are kept in `self.damaged_ranks`."""
+        finite = all_finite(state_tensors(self.backend, self.port.model)).to(self.port.device)
         self.damaged_ranks = [rank for ranks in ranks_with_flag((~finite).reshape(1)) for rank in ranks]
         # A check that finds damage takes back an earlier verification of this step.
         self.verified_step = -1 if self.damaged_ranks else self.port.state.global_step
@@ -276,9 +279,7 @@ class NanGuard:
         (the disk source's first good state)."""
         with self.clock.paused():  # a copy of the whole state: not timed as part of the step by the hang watchdog
             self.snapshotter.take(self.port.state)
-        # Taken in `on_step_end`, before this step's evaluation and save, which belong to the same weights: the
-        # best-model fields are refreshed at the next boundary (or rollback), once they have run.
-        self._refresh_best = True
+        self._refresh_best = True  # after this step's evaluation and save (same weights), at the next boundary
         return self.snapshotter.needs_checkpoint(self.port.state.global_step)
 
     def refresh_best_fields(self) -> None:
@@ -288,8 +289,7 @@ class NanGuard:
             self._refresh_best = False
 
     def published(self, path: str) -> None:
-        """A verified checkpoint of this run was published at `path` (a good state for the disk source, and where a
-        damaged frozen parameter may be restored from)."""
+        """A verified checkpoint of this run was published at `path` (a good state; a source of frozen parameters)."""
         if self.snapshotter is not None:
             self.snapshotter.published(path)
 

@@ -75,6 +75,9 @@ class Decision:
             [`NanGuard.diverged`].
         publish_good_state (`bool`): publish the current state as a checkpoint: the disk source's first good state.
         diagnosis (`dict | None`): the diagnosis the caller replayed, kept for the rollback event.
+        records ([`StepReading`]): the steps the inspection read.
+        replayed (`dict | None`): the diagnosis, recorded with the window's first skip.
+        recorded (`bool`): the window's events are recorded ([`NanGuard.record`]).
     """
 
     verdict: Verdict
@@ -84,6 +87,8 @@ class Decision:
     publish_good_state: bool = False
     diagnosis: dict | None = None
     records: list[StepReading] = field(default_factory=list)
+    replayed: dict | None = None
+    recorded: bool = False
 
 
 @dataclass(frozen=True)
