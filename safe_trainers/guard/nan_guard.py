@@ -74,7 +74,8 @@ class NanGuard:
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags, self.deepspeed = StepFlags(), False  # DeepSpeed steps in `backward`, skips non-finite steps itself
-        self._consecutive, self._refresh_best = 0, False
+        self._consecutive = 0
+        self._refresh_best = False
 
     def start_run(self, resume_from: str | None, optimizer: Any = None) -> None:
         """A `train()` call starts: a new run starts its own event log and counters (and takes a previous run's
