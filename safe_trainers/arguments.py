@@ -38,8 +38,15 @@ class SafetyArguments:
     nan_guard (`bool`, *optional*, defaults to `True`):
         Check every optimizer step for a non-finite loss or gradient norm, skip such updates on all ranks, and roll
         back to the last good state when the weights or optimizer state are damaged.
-    nan_snapshot_steps (`int`, *optional*, defaults to `10`):
-        Keep a copy of the last good training state (in host memory) every this many optimizer steps.
+    nan_snapshot_steps (`int`, *optional*, defaults to `None`):
+        Keep a copy of the last good training state (in host memory) at least this many optimizer steps apart (the
+        lower bound of the adaptive interval, see `nan_snapshot_budget`; with `nan_snapshot_budget=0`, exactly this
+        many). Unset: start at 10 steps, no lower bound beyond 1. The pending fault flags are read back every this
+        many steps (10 when unset) whatever the interval.
+    nan_snapshot_budget (`float`, *optional*, defaults to `0.01`):
+        The fraction of the run's wall time the snapshots (a state check and a copy of the state) may take: the
+        interval between them adapts to it, measured at run time, from `nan_snapshot_steps` up to the checkpoint
+        interval (`save_steps`). A rollback goes back at most that interval. `0` keeps a fixed interval.
     nan_rollback_from (`str`, *optional*, defaults to `"memory"`):
         Where a rollback takes the last good state from: `"memory"` (the host copy above) or `"checkpoint"` (the
         newest verified checkpoint on disk: no host copy, a slower restore, and the steps since that checkpoint are
@@ -98,9 +105,19 @@ class SafetyArguments:
         default=True,
         metadata={"help": "Skip non-finite updates and roll back to the last good state when training is damaged."},
     )
-    nan_snapshot_steps: int = field(
-        default=10,
-        metadata={"help": "Keep the last good training state in host memory every this many optimizer steps."},
+    nan_snapshot_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Keep the last good training state in host memory at least this many optimizer steps apart "
+            "(exactly, with `nan_snapshot_budget=0`); unset: start at 10, adapt from 1."
+        },
+    )
+    nan_snapshot_budget: float = field(
+        default=0.01,
+        metadata={
+            "help": "Fraction of the wall time the snapshots may take: their interval adapts to it, between "
+            "`nan_snapshot_steps` and `save_steps` (0: a fixed interval)."
+        },
     )
     nan_rollback_from: str = field(
         default="memory",
@@ -230,7 +247,10 @@ def validate_safety_arguments(settings: Any) -> None:
         ("hang_action", settings.hang_action in HANG_ACTIONS, f"one of {list(HANG_ACTIONS)}"),
         ("hang_timeout", math.isfinite(settings.hang_timeout) and settings.hang_timeout >= 0, "a number >= 0 (0 off)"),
         ("hang_timeout_factor", settings.hang_timeout_factor > 1, "a number > 1"),
-        ("nan_snapshot_steps", settings.nan_snapshot_steps >= 1, "an integer >= 1"),
+        ("nan_snapshot_steps", settings.nan_snapshot_steps is None or settings.nan_snapshot_steps >= 1,
+         "an integer >= 1"),
+        ("nan_snapshot_budget", math.isfinite(settings.nan_snapshot_budget) and 0 <= settings.nan_snapshot_budget < 1,
+         "a fraction in [0, 1) (0: a fixed interval of `nan_snapshot_steps`)"),
         ("nan_max_rollbacks", settings.nan_max_rollbacks >= 0, "an integer >= 0"),
         ("nan_max_consecutive_skips", settings.nan_max_consecutive_skips >= 1, "an integer >= 1"),
         ("nan_lr_backoff", math.isfinite(settings.nan_lr_backoff) and 0 < settings.nan_lr_backoff <= 1, "in (0, 1]"),

@@ -62,7 +62,8 @@ class Loop:
             the inspection after it included: a NaN loss and NaN gradients), `"grad"` (the first weight's gradient
             gets an Inf), `"weight"` (a weight turns NaN before the step's forward), `"update"` (a weight turns NaN
             right after `optimizer.step()`, as a bad update would: the loss stays finite).
-        **settings: `nan_*` settings over the defaults (`nan_snapshot_steps=2`, as the guard tests' preset).
+        **settings: `nan_*` settings over the defaults (`nan_snapshot_steps=2` at a fixed interval, as the guard
+            tests' preset).
     """
 
     def __init__(self, output_dir: Path, faults: dict[int, FaultKind] | None = None, **settings: Any):
@@ -72,7 +73,8 @@ class Loop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.port = FakePort(self.model, TrainerState(max_steps=8), scheduler)
-        self.settings = dataclasses.replace(DEFAULTS, **{"nan_snapshot_steps": 2, **settings})
+        fixed = {"nan_snapshot_steps": 2, "nan_snapshot_budget": 0.0}
+        self.settings = dataclasses.replace(DEFAULTS, **{**fixed, **settings})
         self.config = SimpleNamespace(learning_rate=LEARNING_RATE, output_dir=str(output_dir))
         self.events = EventLog(str(output_dir), write=True)
         self.guard = NanGuard(self.settings, self.config, self.port, self.events)

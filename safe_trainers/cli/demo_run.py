@@ -122,6 +122,8 @@ def unsafe_trainer(model_dir: str, output_dir: str, steps: int, data: Any, fault
 
 def describe_event(event: dict[str, Any], skipped: set[int]) -> str:
     """One line for an event of `nan_events.jsonl` (`skipped`: the steps with a `skip` event)."""
+    if event["kind"] == "snapshot_interval":
+        return f"  step {event['step']:>2} snapshots every {event['interval']} steps (measured, within the budget)"
     line = f"  step {event['step']:>2} {event['kind']:<8} non-finite: {', '.join(event['nonfinite'])}"
     if event["kind"] == "skip":
         line += " -> update not applied"

@@ -4,8 +4,8 @@ Per optimizer step, with no host-device synchronisation, [`StepFlags`] keeps a d
 norm, agreed across ranks; a loss or gradient-norm spike joins it), and `apply_skip` hands it to the optimizer before
 `optimizer.step()` so the update is not applied (`step/`). An fp16 loss scaler's overflow is recorded, not a fault.
 
-At inspection points (log, save, evaluation, the last step, every `nan_snapshot_steps`) the flags are read back in
-one transfer and judged ([`judge`], `policy.py`); [`settle`] decides. A rollback puts back only the weights and
+At inspection points (log, save, evaluation, the last step, each snapshot: `snapshot_interval.py`) the flags are read
+back in one transfer and judged ([`judge`], `policy.py`); [`settle`] decides. A rollback puts back only the weights and
 optimizer state (`rollback/`). The guard holds no trainer: what only the trainer can do, it returns ([`Decision`]).
 """
 
@@ -35,10 +35,11 @@ from .policy import (
 )
 from .port import Decision, EndRestore, GuardPort, Judged
 from .records import diverged_error, nonfinite_start_message, record_rollback, record_window
-from .rollback.actions import Restored, record_end_restore, restore_last_good, scale_learning_rate, undo_backoff
+from .rollback.actions import Restored, follow_learning_rate, record_end_restore, restore_last_good, undo_backoff
 from .rollback.checkpoint import CheckpointSource
 from .rollback.memory import HostSnapshot
 from .rollback.source import RollbackSource
+from .snapshot_interval import SnapshotInterval
 from .state import GuardState
 from .step.flags import StepFlags, loss_scale
 from .step.ledger import LossLedger
@@ -74,6 +75,7 @@ class NanGuard:
         self.verified_step = -1
         self.damaged_ranks: list[int] = []
         self.flags, self.deepspeed = StepFlags(), False  # DeepSpeed steps in `backward`, skips non-finite steps itself
+        self.interval = SnapshotInterval(settings)  # how many steps apart the snapshots are (it adapts)
         self._consecutive = 0
         self._refresh_best = False
 
@@ -98,9 +100,8 @@ class NanGuard:
         self.ledger.begin_run()
 
     def begin(self, backend: Backend, rollback_from: str) -> bool:
-        """Training starts: bind to `backend` (the optimizer, the ZeRO stage, the loss scaler), keep the last good
-        state in `rollback_from` (`"memory"` or `"checkpoint"`) and take the first one. Returns whether the caller
-        must publish the current state as a checkpoint (the disk source's first good state)."""
+        """Training starts: bind to `backend` (optimizer, ZeRO stage, loss scaler), keep the last good state in
+        `rollback_from` (`"memory"`/`"checkpoint"`), take the first; returns whether the caller must publish it."""
         self.backend, self.deepspeed = backend, backend.zero_stage is not None
         self.rollback_from = rollback_from
         model = self.port.model
@@ -110,17 +111,15 @@ class NanGuard:
             self.snapshotter = HostSnapshot(model, backend, resumed_from=self.resumed_from)
         self.flags = StepFlags(backend.loss_scaled, self.spikes)
         self.batches.clear()
+        self.interval.start(self.config, self.port.state, say=self.events.write)  # said by the main process
         if not self.state_is_finite():
             raise ValueError(nonfinite_start_message(self.damaged_ranks))
         return self.take_snapshot()
 
     def resumed_learning_rate(self, optimizer: Any, scheduler: Any) -> None:
-        """After a checkpoint's optimizer and scheduler were loaded: they carry the backed-off LR; if the user now
-        asks for a different `learning_rate`, scale to it (the backoff still applies)."""
-        configured, saved = self.config.learning_rate, self.state.learning_rate
-        if saved and configured and configured != saved:
-            scale_learning_rate(optimizer, scheduler, configured / saved)
-        self.state.learning_rate = configured
+        """After a checkpoint's optimizer and scheduler were loaded (with the backed-off LR): follow a different
+        `learning_rate` asked for now ([`follow_learning_rate`])."""
+        self.state.learning_rate = follow_learning_rate(optimizer, scheduler, self.config, self.state.learning_rate)
 
     # ------------------------------------------------------------------ hot path (no host sync)
     def record_inputs(self, inputs: Any) -> None:
@@ -158,7 +157,7 @@ class NanGuard:
         self.verified_step = -1  # callbacks after the guard's may have changed the state since it was last verified
         self.refresh_best_fields()
         step, pending = self.port.state.global_step, len(self.flags.pending)
-        return inspection_due(control, step, self.config, self.settings.nan_snapshot_steps, pending)
+        return inspection_due(control, step, self.config, self.interval.steps, pending, self.interval.read_steps)
 
     # ------------------------------------------------------------------ inspection
     def judge(self, verify: bool = False, snapshot: bool = False, fresh: bool = False) -> Judged | None:
@@ -172,7 +171,8 @@ class NanGuard:
         if any(r.overflow for r in records):
             records = unexplained_overflows(records, loss_scale(self.backend))
         any_bad = any(r.bad for r in records)
-        state_finite = self.state_verified() if (any_bad or verify) else True
+        with self.interval.timed(snapshot):  # a snapshot's check: part of its cost
+            state_finite = self.state_verified() if (any_bad or verify) else True
         limit = self.settings.nan_max_consecutive_skips
         verdict = judge_window(records, self._consecutive, limit, self.deepspeed, state_finite)
         self._consecutive = verdict.consecutive
@@ -229,6 +229,7 @@ class NanGuard:
         self.state.discarded_steps += len(restored.discarded_steps)
         self.verified_step = restored.at_step  # verified when it was taken
         self._consecutive = 0
+        self.interval.restart()  # the restore is no step's time
         self.flags.clear()
         self.batches.clear()
         if not decision.abort:
@@ -278,8 +279,9 @@ class NanGuard:
     def take_snapshot(self) -> bool:
         """Keep the current state as the last good one; returns whether the caller must publish it as a checkpoint
         (the disk source's first good state)."""
-        with self.clock.paused():  # a copy of the whole state: not timed as part of the step by the hang watchdog
+        with self.clock.paused(), self.interval.timed():  # a copy of the whole state: not timed with the step
             self.snapshotter.take(self.port.state)
+        self.interval.after_snapshot(self.port.state, self.snapshotter.copy_delay_seconds(), self.port, self.events)
         self._refresh_best = True  # after this step's evaluation and save (same weights), at the next boundary
         return self.snapshotter.needs_checkpoint(self.port.state.global_step)
 

@@ -171,7 +171,7 @@ class SafetyReport:
         lines.append(f"  Disable a rule with {self.opt_out.disable}.")
         return "\n".join(lines)
 
-    def construction_summary(self, rules_run: int, nan_guard: bool, path: str) -> str:
+    def construction_summary(self, rules_run: int, nan_guard: bool, path: str, snapshots: str | None = None) -> str:
         """What the main process prints when a trainer is built: the whole report when a rule fixed or warned of
         something, else one line saying how many rules ran and that none fired (and which were disabled), whether the
         NaN guard is on, and where the report file is (then the report's notes, if any).
@@ -180,6 +180,7 @@ class SafetyReport:
             rules_run (`int`): how many rules ran for this trainer (those of its kind, less the disabled ones).
             nan_guard (`bool`): whether the NaN guard watches the run.
             path (`str`): where the report was written.
+            snapshots (`str`, *optional*): how often the guard takes its snapshots (`guard/snapshot_interval.py`).
         """
         if any(f.action in ("fixed", "warned") for f in self.findings):
             return self.render()
@@ -189,7 +190,9 @@ class SafetyReport:
             rules = f"{rules_run} safety rules run, none fired"
             skipped = [f"`{f.rule_id}`" for f in self.findings if f.action == "skipped"]
             rules += f" ({len(skipped)} disabled: {', '.join(skipped)})" if skipped else ""
-        guard = "NaN guard on" if nan_guard else "NaN guard off (`nan_guard=False`)"
+        guard = "NaN guard off (`nan_guard=False`)"
+        if nan_guard:
+            guard = f"NaN guard on ({snapshots})" if snapshots else "NaN guard on"
         line = f"safe_trainers ({self.trainer}): {rules}; {guard}; report in {path}."
         return "\n".join([line, *(f"  note: {note}" for note in self.notes)])
 

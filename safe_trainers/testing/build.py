@@ -6,8 +6,8 @@ presets on top ([`PRESETS`]), where the two uses really differ:
 - `"quick"` (the rule and trainer tests, the bench): lr 1e-5, so `optim.learning_rate` stays quiet; 8 toy rows;
   GRPO/RLOO make 2 completions of up to 8 tokens, scored by `rank_reward`.
 - `"guarded"` (the NaN guard tests, the demo): 10 steps at lr 1e-3, a checkpoint every 4 steps and a guard snapshot
-  every 2, on the CPU, 8 toy rows per step; GRPO/RLOO make 2 completions of up to 6 tokens, scored by
-  `count_words_reward`; a `FaultInjector` is attached.
+  every 2 (a fixed interval: `nan_snapshot_budget=0`), on the CPU, 8 toy rows per step; GRPO/RLOO make 2 completions
+  of up to 6 tokens, scored by `count_words_reward`; a `FaultInjector` is attached.
 
 ```python
 >>> from safe_trainers.testing.build import build_trainer
@@ -69,6 +69,7 @@ PRESETS: dict[str, Preset] = {
             save_strategy="steps",
             save_steps=4,
             nan_snapshot_steps=2,
+            nan_snapshot_budget=0.0,  # snapshots at fixed steps: the guard tests roll back to known ones
             use_cpu=True,
         ),
         online=dict(num_generations=2, max_completion_length=6),

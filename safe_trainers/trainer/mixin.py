@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from ..arguments import SafetyArguments
 from ..configs import config_class
 from ..guard import NanGuard
+from ..guard.snapshot_interval import describe as describe_snapshots
 from ..kinds import get_kind
 from ..restarts.preemption import refuse_jit_checkpoint
 from ..rules.context import TrainerSetup, build_setup
@@ -127,4 +128,5 @@ class SafeTrainerMixin(NanGuardTrainerMixin):
             return
         path = self.safety_report.write_json(self.args.output_dir)
         enabled, _ = select_rules(self._safety_kind, settings)
-        logger.warning(self.safety_report.construction_summary(len(enabled), settings.nan_guard, path))
+        snapshots = describe_snapshots(settings, self.args)
+        logger.warning(self.safety_report.construction_summary(len(enabled), settings.nan_guard, path, snapshots))

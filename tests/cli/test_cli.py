@@ -7,10 +7,13 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from safe_trainers.arguments import SafetyArguments
 from safe_trainers.cli.main import main
+from safe_trainers.guard.snapshot_interval import describe as describe_snapshots
 from safe_trainers.rules import DEFAULT_RULES, rule_ids
 from safe_trainers.rules.report import SafetyReport
 
@@ -183,7 +186,9 @@ def test_the_readme_shows_the_one_line_of_a_clean_construction():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     line = re.search(r"```\n(safe_trainers \(dpo\): \d+ safety rules run.*?)\n```", readme).group(1)
     dpo_rules = sum("dpo" in rule.trainers for rule in DEFAULT_RULES)
-    assert line == SafetyReport("dpo", "fix").construction_summary(dpo_rules, True, "out/dpo/safety_report.json")
+    snapshots = describe_snapshots(SafetyArguments(), SimpleNamespace(save_strategy="steps", save_steps=500))
+    report = SafetyReport("dpo", "fix")
+    assert line == report.construction_summary(dpo_rules, True, "out/dpo/safety_report.json", snapshots)
 
 
 def test_check_sft_fp16_on_gemma2(toy_models, tmp_path, capsys):

@@ -44,7 +44,8 @@ def test_unknown_rule_id_from_config_object():
 def test_from_config_defaults_for_plain_trl_config():
     s = SafetyArguments.from_config(trl.DPOConfig(output_dir=OUT, use_cpu=True))
     assert isinstance(s, SafetyArguments)
-    assert (s.safety_mode, s.safety_disable_rules, s.nan_guard, s.nan_snapshot_steps) == ("fix", [], True, 10)
+    assert (s.safety_mode, s.safety_disable_rules, s.nan_guard, s.nan_snapshot_steps) == ("fix", [], True, None)
+    assert s.nan_snapshot_budget == 0.01  # the snapshot interval adapts to 1% of the wall time
     # each call gets its own list
     s.safety_disable_rules.append("optim.grad_clip")
     assert SafetyArguments.from_config(object()).safety_disable_rules == []
@@ -69,6 +70,9 @@ def test_from_config_reads_safety_fields_and_splits_strings():
     [
         ("safety_mode", "loud", r"`safety_mode` must be one of \['fix', 'warn', 'strict', 'off'\], got 'loud'"),
         ("nan_snapshot_steps", 0, r"`nan_snapshot_steps` must be an integer >= 1, got 0"),
+        ("nan_snapshot_budget", -0.1, r"`nan_snapshot_budget` must be a fraction in \[0, 1\) \(0: a fixed interval"),
+        ("nan_snapshot_budget", 1.0, r"`nan_snapshot_budget` must be a fraction in \[0, 1\)"),
+        ("nan_snapshot_budget", float("nan"), r"`nan_snapshot_budget` must be a fraction in \[0, 1\)"),
         ("nan_max_rollbacks", -1, r"`nan_max_rollbacks` must be an integer >= 0"),
         ("nan_max_consecutive_skips", 0, r"`nan_max_consecutive_skips` must be an integer >= 1"),
         ("nan_lr_backoff", 0.0, r"`nan_lr_backoff` must be in \(0, 1\], got 0.0"),

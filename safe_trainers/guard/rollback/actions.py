@@ -68,6 +68,16 @@ def restore_last_good(port: GuardPort, source: RollbackSource, lr_backoff: float
 
 # -- the learning-rate backoff: the current and the scheduled learning rates, scaled together; the factor is kept
 # with the guard's state (`GuardState.lr_scale`) and undone when a new run starts on the same trainer.
+def follow_learning_rate(optimizer: Any, scheduler: Any, config: Any, saved: float | None) -> float:
+    """After a resume: the checkpoint's optimizer and scheduler carry the backed-off learning rate of `saved` (the
+    `learning_rate` the run had); if `config.learning_rate` differs, scale them to it (the backoff still applies).
+    Returns the configured learning rate."""
+    configured = config.learning_rate
+    if saved and configured and configured != saved:
+        scale_learning_rate(optimizer, scheduler, configured / saved)
+    return configured
+
+
 def scale_learning_rate(optimizer: Any, scheduler: Any, factor: float) -> float:
     """Multiply the current and scheduled learning rates by `factor`; return the new learning rate of group 0."""
     for group in param_groups(optimizer):
@@ -116,4 +126,6 @@ def record_end_restore(
     return restored
 
 
-__all__ = ["Restored", "record_end_restore", "restore_last_good", "scale_learning_rate", "undo_backoff"]
+__all__ = [
+    "Restored", "follow_learning_rate", "record_end_restore", "restore_last_good", "scale_learning_rate", "undo_backoff",
+]  # fmt: skip

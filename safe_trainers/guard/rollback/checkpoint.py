@@ -83,6 +83,10 @@ class CheckpointSource:
         self.snapshot.step = state.global_step
         return self.snapshot
 
+    def copy_delay_seconds(self) -> float | None:
+        """No copy: the good state is a checkpoint the trainer publishes anyway."""
+        return 0.0
+
     def needs_checkpoint(self, step: int) -> bool:
         """Whether the good state of `step` must be published as a checkpoint: no good checkpoint at or before it
         (a run's first good state, with nothing resumed from)."""

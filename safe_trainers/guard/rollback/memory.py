@@ -80,6 +80,11 @@ class HostSnapshot:
             snap.ready.record()
         return snap
 
+    def copy_delay_seconds(self) -> float | None:
+        """The device time the last snapshot's copies added to the training (none here: the copies run on the host,
+        within the time the guard measures around [`take`])."""
+        return 0.0
+
     def published(self, path: str) -> None:
         """The trainer published a verified checkpoint: a source for damaged frozen parameters (the host copy stays
         the last good state)."""

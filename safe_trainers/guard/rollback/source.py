@@ -62,6 +62,11 @@ class RollbackSource(Protocol):
     def take(self, state: Any) -> Snapshot:
         """Keep the current weights and optimizer state as the last good state (`state`: the `TrainerState`)."""
 
+    def copy_delay_seconds(self) -> float | None:
+        """The seconds the last [`take`]'s device copies delayed training beyond the host time spent in `take`
+        (copies queued on a GPU), for the snapshot interval's budget (`guard/snapshot_interval.py`); `None` when not
+        known yet."""
+
     def needs_checkpoint(self, step: int) -> bool:
         """Whether the good state of `step` must be published as a checkpoint before it can be gone back to."""
 

@@ -1,0 +1,191 @@
+"""How many optimizer steps apart the NaN guard takes its snapshots (a state check and a copy of the state).
+
+By default the interval adapts so that the snapshots take at most `nan_snapshot_budget` (1%) of the run's wall time:
+each snapshot measures its own cost (the host time of its check and copy, plus the device delay its copies add, see
+`RollbackSource.copy_delay_seconds`) and the wall time per step since the previous one (snapshots excluded), every
+rank's largest figure is agreed at the snapshot (where the ranks meet anyway), and [`choose_interval`] turns the
+medians of the last [`HISTORY`] figures into the interval: `ceil(cost / (budget * step_time))`, at least
+`nan_snapshot_steps` when set (else 1), at most the checkpoint interval (`save_steps`). Every rank then decides the
+same from the same figures. It grows at once when the budget asks for it, and shrinks only when the figures ask for
+at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not make it swing. `nan_snapshot_budget=0`
+keeps a fixed interval: `nan_snapshot_steps` (10 when unset).
+
+The flag reads (one cheap transfer of the per-step fault flags) keep the short cadence (`nan_snapshot_steps`, else
+10), so skips and their rollbacks come as soon as before; only the check and the copy stretch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from statistics import median
+from typing import Any
+
+import torch
+
+from ..runtime.collectives import max_across_ranks
+from ..runtime.events import EventLog, RunEvent
+
+logger = logging.getLogger("safe_trainers")
+
+DEFAULT_STEPS = 10  # the interval to start with, and the flag-read cadence, when `nan_snapshot_steps` is not set
+HISTORY = 5  # the figures a decision takes the median of
+SHRINK = 1.25  # the interval shrinks only when the figures ask for at least this factor fewer steps
+LONGEST = 10**9  # an interval with no upper bound: snapshots at saves, evaluations and the end only
+
+
+def choose_interval(cost: float, step_time: float, budget: float, lower: int, upper: int | None) -> int:
+    """The interval (in optimizer steps) whose snapshots take at most `budget` of the wall time, within the bounds.
+
+    Args:
+        cost (`float`): seconds one snapshot takes (its check and copy).
+        step_time (`float`): seconds one optimizer step takes, snapshots excluded.
+        budget (`float`): the fraction of the wall time the snapshots may take; `0`: a fixed interval (`lower`).
+        lower (`int`): the fewest steps between snapshots (>= 1).
+        upper (`int | None`): the most (the checkpoint interval), `None` for no bound.
+    """
+    top = max(lower, upper if upper is not None else LONGEST)
+    if budget <= 0:
+        return min(lower, top)
+    if not (math.isfinite(cost) and math.isfinite(step_time)) or step_time <= 0:
+        return top if cost > 0 else lower
+    needed = math.ceil(cost / (budget * step_time)) if cost > 0 else 1
+    return min(max(needed, lower), top)
+
+
+def next_interval(current: int, chosen: int) -> int:
+    """The interval to keep after a decision that chose `chosen`: a longer one at once (the budget needs it), a shorter
+    one only when it is at least [`SHRINK`] times shorter (a longer interval than needed costs less, so small swings
+    of the measured figures change nothing)."""
+    return chosen if chosen > current or chosen * SHRINK <= current else current
+
+
+def checkpoint_interval(config: Any, state: Any) -> int | None:
+    """The steps between checkpoints (`save_steps`, as the Trainer resolved it into `state.save_steps`) when they are
+    saved every so many steps; else `None`."""
+    if str(getattr(getattr(config, "save_strategy", None), "value", getattr(config, "save_strategy", ""))) != "steps":
+        return None
+    steps = getattr(state, "save_steps", None) or getattr(config, "save_steps", None)
+    return int(steps) if steps and steps >= 1 else None
+
+
+def percent(fraction: float) -> str:
+    return f"{fraction * 100:g}%"
+
+
+def describe(settings: Any, config: Any) -> str:
+    """What the snapshots do, in a few words for the safety report's summary (before training: the bounds as set)."""
+    steps, budget = settings.nan_snapshot_steps, settings.nan_snapshot_budget
+    if budget <= 0:
+        return f"snapshot every {steps or DEFAULT_STEPS} steps"
+    upper = checkpoint_interval(config, None)
+    bound = f"every {steps or 1}-{upper} steps" if upper else f"every >= {steps or 1} steps"
+    return f"snapshots adapt to <= {percent(budget)} of wall time, {bound}"
+
+
+class SnapshotInterval:
+    """The interval between the guard's snapshots, and what it is measured from.
+
+    Args:
+        settings ([`SafetyArguments`]): `nan_snapshot_steps` (the lower bound, else the interval to start with) and
+            `nan_snapshot_budget`.
+    """
+
+    def __init__(self, settings: Any):
+        set_steps, self.budget = settings.nan_snapshot_steps, settings.nan_snapshot_budget
+        self.lower = set_steps or 1
+        self.read_steps = set_steps or DEFAULT_STEPS  # the cadence of the flag reads, which never stretches
+        self.start_steps = set_steps or DEFAULT_STEPS
+        self.steps, self.upper = self.start_steps, None
+        self.costs: deque[float] = deque(maxlen=HISTORY)
+        self.step_times: deque[float] = deque(maxlen=HISTORY)
+        self.decided = False
+        self._mark: tuple[float, int] | None = None  # (time, step) right after the last snapshot
+        self._host = 0.0  # host seconds of snapshot work since the mark
+
+    @property
+    def adaptive(self) -> bool:
+        return self.budget > 0
+
+    def start(self, config: Any, state: Any, say: bool = True) -> str:
+        """Training starts: set the bounds (`config`: `TrainingArguments`, `state`: the `TrainerState`) and the
+        interval to start with; returns what the run starts with, logged when `say`."""
+        self.upper = checkpoint_interval(config, state)
+        fixed = not self.adaptive  # a fixed interval is the one set, as it always was; else within the bounds
+        self.steps = self.start_steps if fixed else min(self.start_steps, max(self.lower, self.upper or LONGEST))
+        self.costs.clear()
+        self.step_times.clear()
+        self.decided, self._mark, self._host = False, None, 0.0
+        bounds = f"{self.lower} to {self.upper} steps (`save_steps`)" if self.upper else f"at least {self.lower} steps"
+        started = f"NaN guard: a snapshot every {self.steps} steps (`nan_snapshot_budget=0`: a fixed interval)."
+        if not fixed:
+            started = (
+                f"NaN guard: a snapshot every {self.steps} steps to start with; the interval adapts so that snapshots "
+                f"take at most {percent(self.budget)} of the wall time (`nan_snapshot_budget`), within {bounds}, "
+                "measured from the first snapshots and steps (`snapshot_interval` events). Set "
+                "`nan_snapshot_budget=0` for a fixed interval."
+            )
+        if say:
+            logger.info(started)
+        return started
+
+    @contextmanager
+    def timed(self, on: bool = True) -> Iterator[None]:
+        """Count the host time inside as snapshot work (the check and the copy), when `on`."""
+        if not on:
+            yield
+            return
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host += time.perf_counter() - began
+
+    def restart(self) -> None:
+        """Measure the next step time from now (after a restore, which is no step's time)."""
+        self._mark, self._host = None, 0.0
+
+    def taken(self, step: int, delay: float | None) -> tuple[float, float] | None:
+        """A snapshot of `step` was taken (`delay`: the device delay of its copies, if known): this rank's figures
+        `(cost, step_time)` since the previous one, or `None` when there is nothing to measure (the first snapshot,
+        the same step again); the same on every rank."""
+        now, mark, cost = time.perf_counter(), self._mark, self._host + (delay or 0.0)
+        self._mark, self._host = (now, step), 0.0
+        if mark is None or step <= mark[1] or not self.adaptive:
+            return None
+        return cost, max(now - mark[0] - cost, 0.0) / (step - mark[1])  # the steps' own time: the snapshots' out
+
+    def decide(self, step: int, figures: tuple[float, float], events: EventLog) -> None:
+        """Fold the figures agreed across ranks into the running medians and choose the interval; record a
+        `snapshot_interval` event at the first decision and whenever the interval changes."""
+        self.costs.append(figures[0])
+        self.step_times.append(figures[1])
+        cost, step_time = median(self.costs), median(self.step_times)
+        chosen = choose_interval(cost, step_time, self.budget, self.lower, self.upper)
+        previous, self.steps = self.steps, next_interval(self.steps, chosen)
+        if self.decided and self.steps == previous:
+            return
+        self.decided = True
+        detail = {
+            "interval": self.steps, "previous": previous, "snapshot_seconds": round(cost, 6),
+            "step_seconds": round(step_time, 6), "overhead": round(cost / (self.steps * step_time), 6)
+            if step_time > 0 else None, "budget": self.budget, "lower": self.lower, "upper": self.upper,
+        }  # fmt: skip
+        events.add(RunEvent(step, "snapshot_interval", [], [], detail))
+
+    def after_snapshot(self, state: Any, delay: float | None, port: Any, events: EventLog) -> None:
+        """A snapshot was just taken (`state`: the `TrainerState`; `delay`: its copies' device delay, if known):
+        measure it and, but at the end of training (no interval left to choose), decide. A collective when the
+        interval adapts (every rank takes its snapshots at the same steps, so every rank calls it; `port.device`)."""
+        figures = self.taken(state.global_step, delay)
+        if figures is None or state.global_step >= state.max_steps:
+            return
+        agreed = max_across_ranks(torch.tensor(figures, dtype=torch.float64, device=port.device)).tolist()
+        self.decide(state.global_step, (agreed[0], agreed[1]), events)
+
+
+__all__ = ["SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval"]

@@ -1,0 +1,199 @@
+"""The adaptive snapshot interval (`guard/snapshot_interval.py`): snapshots (a state check and a host copy) take at
+most `nan_snapshot_budget` of the run's wall time, at least `nan_snapshot_steps` and at most `save_steps` apart.
+
+The decision is a pure function of plain numbers (tested here directly and as a property); on real trainers the
+figures are measured: the budget and a callback that makes every step sleep set where the measured figures must land,
+without timing anything in the test itself.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import TrainerCallback
+
+from safe_trainers.arguments import SafetyArguments
+from safe_trainers.guard import read_events
+from safe_trainers.guard.snapshot_interval import (
+    SnapshotInterval,
+    checkpoint_interval,
+    choose_interval,
+    describe,
+    next_interval,
+)
+from safe_trainers.runtime.events import EventLog
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import Fault
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The decision, with plain numbers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cost, step_time, budget, lower, upper, expected",
+    [
+        (0.156, 0.181, 0.01, 1, None, 87),  # the H100 figures of issue 30: 86.2 steps -> 87
+        (0.156, 0.181, 0.01, 1, 50, 50),  # capped by the checkpoint interval
+        (0.001, 1.0, 0.01, 1, 500, 1),  # a cheap snapshot: every step
+        (0.001, 1.0, 0.01, 5, 500, 5),  # but never below `nan_snapshot_steps`
+        (0.156, 0.181, 0.0, 7, 50, 7),  # budget 0: the fixed interval
+        (0.0, 0.181, 0.01, 3, 50, 3),  # a free snapshot
+        (0.2, 0.0, 0.01, 3, 50, 50),  # no step time measured: as rare as allowed
+        (0.2, 0.1, 0.01, 20, 10, 20),  # bounds crossed: the lower bound (the user's) wins
+    ],
+)
+def test_choose_interval(cost, step_time, budget, lower, upper, expected):
+    assert choose_interval(cost, step_time, budget, lower, upper) == expected
+
+
+def test_next_interval_grows_at_once_and_shrinks_only_by_a_margin():
+    assert next_interval(10, 11) == 11  # the budget needs it
+    assert next_interval(10, 9) == 10  # within the margin: kept (costs less than the budget)
+    assert next_interval(10, 8) == 8  # 10 / 8 = 1.25: shrinks
+
+
+@given(
+    cost=st.floats(0, 100, allow_nan=False),
+    step_time=st.floats(1e-6, 100, allow_nan=False),
+    budget=st.floats(1e-4, 0.99),
+    lower=st.integers(1, 1000),
+    upper=st.one_of(st.none(), st.integers(1, 10_000)),
+    current=st.integers(1, 10_000),
+)
+def test_the_interval_is_within_bounds_and_within_budget_when_the_bounds_allow(
+    cost, step_time, budget, lower, upper, current
+):
+    chosen = choose_interval(cost, step_time, budget, lower, upper)
+    top = max(lower, upper) if upper is not None else math.inf
+    assert lower <= chosen <= top
+    current = min(max(current, lower), top)  # the interval kept is always within the bounds
+    kept = next_interval(current, chosen)
+    assert lower <= kept <= top
+    needed = cost / (budget * step_time)
+    if needed <= top:  # the bounds allow the budget: the snapshots' share of the wall time is within it
+        assert cost / (kept * step_time) <= budget * (1 + 1e-9)
+
+
+def settings(**values) -> SafetyArguments:
+    return SafetyArguments(**values)
+
+
+def test_the_interval_decides_from_the_medians_and_records_each_change(tmp_path):
+    events = EventLog(str(tmp_path), write=True)
+    interval = SnapshotInterval(settings(nan_snapshot_budget=0.01))
+    config = type("Config", (), {"save_strategy": "steps", "save_steps": 200})()
+    interval.start(config, None, say=False)
+    assert (interval.steps, interval.read_steps, interval.lower, interval.upper) == (10, 10, 1, 200)
+    interval.decide(10, (0.05, 0.1), events)  # 50 steps
+    interval.decide(60, (5.0, 0.1), events)  # an outlier: the median of (0.05, 5.0) asks for 2525 -> 200
+    interval.decide(260, (0.05, 0.1), events)  # median 0.05 again: 50, 4x shorter: shrinks
+    interval.decide(310, (0.051, 0.1), events)  # 51: grows at once
+    got = [(e.step, e.detail["previous"], e.detail["interval"]) for e in events.events]
+    assert got == [(10, 10, 50), (60, 50, 200), (260, 200, 50), (310, 50, 51)]
+    assert [e.kind for e in events.events] == ["snapshot_interval"] * 4 and not any(e.nonfinite for e in events.events)
+    assert read_events(str(tmp_path))[0]["snapshot_seconds"] == 0.05
+
+
+def test_settings_unset_set_and_fixed():
+    assert describe(settings(), type("C", (), {"save_strategy": "steps", "save_steps": 500})()) == (
+        "snapshots adapt to <= 1% of wall time, every 1-500 steps"
+    )
+    assert describe(settings(nan_snapshot_steps=4), type("C", (), {"save_strategy": "epoch"})()) == (
+        "snapshots adapt to <= 1% of wall time, every >= 4 steps"
+    )
+    assert describe(settings(nan_snapshot_budget=0), None) == "snapshot every 10 steps"
+    fixed = SnapshotInterval(settings(nan_snapshot_steps=30, nan_snapshot_budget=0))
+    fixed.start(type("C", (), {"save_strategy": "steps", "save_steps": 4})(), None, say=False)
+    assert fixed.steps == 30 and not fixed.adaptive  # today's fixed interval, whatever the saves
+    assert checkpoint_interval(type("C", (), {"save_strategy": "steps", "save_steps": 0.5})(), None) is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Real trainers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Watch(TrainerCallback):
+    """After the guard's callback: the steps of the snapshots taken, and the flags left unread after each step; every
+    step sleeps `sleep` seconds (inside the step's wall time, as slow compute would)."""
+
+    def __init__(self, trainer, sleep: float = 0.0):
+        self.trainer, self.sleep = trainer, sleep
+        self.snapshots: list[int] = []
+        self.unread: list[int] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        time.sleep(self.sleep)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        guard = self.trainer.nan_guard
+        step = guard.snapshotter.snapshot.step
+        if step >= 0 and (not self.snapshots or self.snapshots[-1] != step):
+            self.snapshots.append(step)
+        self.unread.append(len(guard.flags.pending))
+
+
+def run(tmp_path, model, sleep: float = 0.0, faults=(), **config):
+    trainer = build_trainer("sft", model, tmp_path / "out", preset="guarded", faults=faults, **config)
+    watch = Watch(trainer, sleep)
+    trainer.add_callback(watch)
+    trainer.train()
+    events = read_events(trainer.args.output_dir)
+    return watch, [e for e in events if e["kind"] == "snapshot_interval"], events
+
+
+def test_costly_snapshots_stretch_to_the_checkpoint_interval(toy_models, tmp_path):
+    # A budget no snapshot fits in: the interval goes to its upper bound, `save_steps`, at the first decision; the
+    # flags are still read every `nan_snapshot_steps`, and a rollback goes back to the last snapshot (at most 6 steps).
+    watch, chosen, events = run(
+        tmp_path, toy_models["qwen2"], max_steps=20, save_steps=6, nan_snapshot_steps=2, nan_snapshot_budget=1e-6,
+        faults=[Fault(step=9, kind="weight")],
+    )  # fmt: skip
+    assert [(e["step"], e["previous"], e["interval"], e["lower"], e["upper"]) for e in chosen] == [(2, 2, 6, 2, 6)]
+    assert chosen[0]["snapshot_seconds"] > 0 and chosen[0]["step_seconds"] > 0 and chosen[0]["budget"] == 1e-6
+    assert watch.snapshots == [0, 2, 6, 12, 18, 20]  # at the start, the first decision, then every 6 (with the saves)
+    assert max(watch.unread) < 2  # the flag reads kept their cadence
+    [rollback] = [e for e in events if e["kind"] == "rollback"]
+    assert rollback["restored_step"] == 6
+
+
+def test_slow_steps_keep_the_lower_bound(toy_models, tmp_path):
+    # Steps of over 50 ms and a budget of 90%: one snapshot of this tiny model would fit every step, but
+    # `nan_snapshot_steps=3` is the least.
+    watch, chosen, _ = run(
+        tmp_path, toy_models["qwen2"], sleep=0.05, max_steps=9, save_steps=100, nan_snapshot_steps=3,
+        nan_snapshot_budget=0.9,
+    )  # fmt: skip
+    assert [(e["step"], e["interval"], e["lower"], e["upper"]) for e in chosen] == [(3, 3, 3, 100)]
+    assert chosen[0]["step_seconds"] >= 0.05  # measured from the real steps, their sleep included
+    assert watch.snapshots == [0, 3, 6, 9]
+
+
+def test_the_interval_follows_the_measured_figures(toy_models, tmp_path):
+    # Unset `nan_snapshot_steps`: start at 10, adapt from 1. Whatever this machine measures, the interval is the one
+    # the recorded figures give, and the next snapshots follow it.
+    watch, chosen, _ = run(
+        tmp_path, toy_models["qwen2"], sleep=0.02, max_steps=14, save_steps=1000, nan_snapshot_steps=None,
+        nan_snapshot_budget=0.05,
+    )  # fmt: skip
+    first = chosen[0]
+    assert (first["step"], first["previous"], first["lower"], first["upper"]) == (10, 10, 1, 1000)
+    expected = choose_interval(first["snapshot_seconds"], first["step_seconds"], 0.05, 1, 1000)
+    assert first["interval"] == next_interval(10, expected)
+    assert first["step_seconds"] >= 0.02 and first["snapshot_seconds"] > 0
+    assert first["overhead"] <= 0.05
+    following = [s for s in watch.snapshots if 10 < s < 14]
+    assert following == [s for s in range(11, 14) if s % first["interval"] == 0]
+
+
+def test_budget_zero_keeps_the_fixed_interval(toy_models, tmp_path):
+    watch, chosen, _ = run(
+        tmp_path, toy_models["qwen2"], max_steps=9, save_steps=100, nan_snapshot_steps=3, nan_snapshot_budget=0.0
+    )
+    assert chosen == [] and watch.snapshots == [0, 3, 6, 9]
