@@ -170,10 +170,10 @@ class SnapshotInterval:
         if self.decided and self.steps == previous:
             return
         self.decided = True
+        overhead = cost / (self.steps * step_time) if step_time > 0 else None  # the snapshots' share of the wall time
         detail = {
-            "interval": self.steps, "previous": previous, "snapshot_seconds": round(cost, 6),
-            "step_seconds": round(step_time, 6), "overhead": round(cost / (self.steps * step_time), 6)
-            if step_time > 0 else None, "budget": self.budget, "lower": self.lower, "upper": self.upper,
+            "interval": self.steps, "previous": previous, "snapshot_seconds": cost, "step_seconds": step_time,
+            "overhead": overhead, "budget": self.budget, "lower": self.lower, "upper": self.upper,
         }  # fmt: skip
         events.add(RunEvent(step, "snapshot_interval", [], [], detail))
 

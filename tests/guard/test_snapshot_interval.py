@@ -197,3 +197,18 @@ def test_budget_zero_keeps_the_fixed_interval(toy_models, tmp_path):
         tmp_path, toy_models["qwen2"], max_steps=9, save_steps=100, nan_snapshot_steps=3, nan_snapshot_budget=0.0
     )
     assert chosen == [] and watch.snapshots == [0, 3, 6, 9]
+
+
+@pytest.mark.distributed
+def test_two_ranks_agree_on_the_interval(tmp_path):
+    # Each rank measures its own figures; the largest of each is agreed at the snapshot, so both ranks choose the same
+    # interval from the same figures (their inspections and collectives must line up) and train alike.
+    from test_guard_distributed import accelerate_ddp, check_in_sync, launch
+
+    extra = ["--max_steps", "12", "--save_steps", "6", "--snapshot_budget", "0.01", "--snapshot_steps", "-1"]
+    results = launch(accelerate_ddp(), "dpo", [], tmp_path, *extra)
+    check_in_sync(results, 0, 0, tmp_path / "out")
+    assert all(r["global_step"] == 12 for r in results)
+    ranks = [r["intervals"] for r in results]
+    assert ranks[0] and ranks[0] == ranks[1], ranks  # the figures too, not only the intervals
+    assert all(1 <= e["interval"] <= 6 and e["upper"] == 6 for e in ranks[0])

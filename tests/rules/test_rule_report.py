@@ -125,7 +125,8 @@ def test_a_clean_construction_prints_one_line(toy_models, tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "safe_trainers"]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     count = lines[0].split(": ", 1)[1].split(" ")[0]
-    assert lines[0] == f"safe_trainers (reward): {count} safety rules run, none fired; NaN guard on; report in {path}."
+    guard = "NaN guard on (snapshots adapt to <= 1% of wall time, every >= 1 steps)"  # no step checkpoints: no cap
+    assert lines[0] == f"safe_trainers (reward): {count} safety rules run, none fired; {guard}; report in {path}."
     assert int(count) == sum("reward" in r.trainers for r in DEFAULT_RULES)
     caplog.clear()
     with caplog.at_level("WARNING", logger="safe_trainers"):

@@ -57,6 +57,8 @@ def parse(argv=None):
     parser.add_argument("--bypass", action="append", default=[], help="a hook of the guard to take out (hook_utils)")
     parser.add_argument("--spike_factor", type=float, default=None, help="`nan_spike_factor` (default: the config's)")
     parser.add_argument("--learning_rate", type=float, default=None, help="(default: the preset's)")
+    parser.add_argument("--snapshot_budget", type=float, default=None, help="`nan_snapshot_budget` (default: preset)")
+    parser.add_argument("--snapshot_steps", type=int, default=0, help="`nan_snapshot_steps` (0: preset's; -1: unset)")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
 
@@ -122,6 +124,8 @@ def main(argv=None) -> int:
         **(dict(use_cpu=False, bf16=True, learning_rate=1e-5) if ns.gpu else {}),
         **({"nan_spike_factor": ns.spike_factor} if ns.spike_factor is not None else {}),
         **({"learning_rate": ns.learning_rate} if ns.learning_rate is not None else {}),
+        **({"nan_snapshot_budget": ns.snapshot_budget} if ns.snapshot_budget is not None else {}),
+        **({"nan_snapshot_steps": ns.snapshot_steps if ns.snapshot_steps > 0 else None} if ns.snapshot_steps else {}),
     )
     injector = trainer.fault_injector
     outcome = "finished"
@@ -153,6 +157,7 @@ def main(argv=None) -> int:
         "seen": getattr(trainer, "seen", []),
         "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
         "state_dict_type": str(getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "state_dict_type", "")),
+        "intervals": [e.detail for e in trainer.nan_guard.events.events if e.kind == "snapshot_interval"],
         "checksum": float(sum(p.detach().double().sum() for p in params if p.numel() > 0)),
     }
     write_result(ns.out, result)
