@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.collectives import max_across_ranks
+from ..runtime.collectives import distributed, max_across_ranks
 from ..runtime.events import EventLog, RunEvent
 
 logger = logging.getLogger("safe_trainers")
@@ -184,8 +184,9 @@ class SnapshotInterval:
         figures = self.taken(state.global_step, delay)
         if figures is None or state.global_step >= state.max_steps:
             return
-        agreed = max_across_ranks(torch.tensor(figures, dtype=torch.float64, device=port.device)).tolist()
-        self.decide(state.global_step, (agreed[0], agreed[1]), events)
+        if distributed():  # one process: its own figures, with no device round trip
+            figures = tuple(max_across_ranks(torch.tensor(figures, dtype=torch.float64, device=port.device)).tolist())
+        self.decide(state.global_step, (figures[0], figures[1]), events)
 
 
 __all__ = ["SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval"]
