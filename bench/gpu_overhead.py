@@ -21,7 +21,9 @@ from workload import parameter_count
 
 
 MIN_PARAMETERS = 500_000_000
-DEFAULTS = dict(hidden=1536, layers=16, seq=512, batch=8, steps=20, rounds=4, optims="adamw_torch_fused")
+DEFAULTS = dict(
+    workloads="dpo", hidden=1536, layers=16, seq=512, batch=8, steps=20, rounds=4, optims="adamw_torch_fused"
+)
 
 
 def main(argv=None) -> int:
