@@ -12,7 +12,7 @@ non-fused `adamw_torch` (the guard reads its flag on the host each step). Absolu
 
 Two workloads by default (`--workloads`, sizes in `workload.WORKLOADS`): `dpo`, compute-bound (a 1.1M-parameter
 model, a ~100 ms step here), and `memory-bound`, a model whose state is large next to its compute (a 64k-token
-untied vocabulary, batch 1, ~16 tokens: ~400 MB of state with AdamW), where the snapshot's copies weigh as on a GPU.
+untied vocabulary, batch 1, ~16 tokens: ~430 MB of state with AdamW), where the snapshot's copies weigh as on a GPU.
 
     python bench/guard_overhead.py                      # CPU: both workloads, a few minutes on 2 cores
     python bench/guard_overhead.py --workloads memory-bound --optims adamw_torch_fused
