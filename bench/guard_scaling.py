@@ -2,15 +2,18 @@
 
 For each model size (Qwen2-style, built from a config, randomly initialised, from about 1M to 190M parameters) it
 trains the DPO workload of `workload.py` with stock TRL (`trl.DPOTrainer`) and with `safe_trainers.DPOTrainer` (rules
-and guard on, default fused AdamW) in the same process, in `--rounds` pairs of runs whose order alternates, then times
-the guard's state check + snapshot and a restore, and reads the host memory the snapshot holds.
+and guard on, default fused AdamW) in the same process, in `--rounds` pairs of whole `train()` calls whose order
+alternates (each logs every `--logging-steps`, saves at its last step and, guarded, snapshots every
+`--snapshot-steps`), then times the guard's state check + snapshot and a restore, and reads the host memory the
+snapshot holds. The headline column is the ratio of the summed whole-run times, safe / stock; the per-step median
+ratio is beside it (it drops the steps that carry a snapshot or a save).
 
 Times are the process's CPU time on one torch thread by default: on a shared machine, other processes' load inflates
 wall time far more than the work this process does (`--clock wall --threads 2` for wall time).
 
-Prints a markdown table. What it should show: the guard's per-step cost (safe - stock) stays flat, a few ms whatever
-the size, so its ratio to a step tends to 1; the snapshot's cost grows linearly with the state it copies (about
-constant ms per MB). The last column is `safe_trainers.rules.snapshot_size`'s estimate of the snapshot (fp32 weights
+Prints a markdown table. What it should show: the guard's per-step cost stays flat, a few ms whatever the size, so
+the per-step median ratio tends to 1; the snapshot's cost grows linearly with the state it copies (about constant ms
+per MB), and with it the whole-run ratio wherever the step does not grow as fast as the state. The last column is `safe_trainers.rules.snapshot_size`'s estimate of the snapshot (fp32 weights
 and two fp32 AdamW moments, 12 bytes per parameter), next to what the snapshot really holds (which adds AdamW's step
 counters).
 
@@ -29,6 +32,7 @@ import tempfile
 import time
 
 import torch
+from whole_run import interleave, run_shape, step_clock_note
 from workload import (
     StepTimer,
     build_model_dir,
@@ -40,6 +44,7 @@ from workload import (
     release,
     snapshot_bytes,
     time_snapshot,
+    timed_train,
 )
 
 from safe_trainers.rules.snapshot_size import RunShape, per_rank_bytes
@@ -57,13 +62,18 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64, help="about this many tokens per sequence")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    parser.add_argument("--snapshot-steps", type=int, default=3, help="`nan_snapshot_steps` of the guarded runs")
+    parser.add_argument("--logging-steps", type=int, default=3, help="`logging_steps` of every run")
+    parser.add_argument("--save-steps", type=int, default=None, help="`save_steps` (default: --steps; 0: no save)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
     parser.add_argument("--rounds", type=int, default=2, help="(stock, safe) pairs of runs per size")
     parser.add_argument("--repeats", type=int, default=3, help="snapshots and restores timed per size")
     parser.add_argument("--optim", default="adamw_torch_fused")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
-    return parser.parse_args(argv)
+    ns = parser.parse_args(argv)
+    ns.save_steps = ns.steps if ns.save_steps is None else ns.save_steps
+    return ns
 
 
 def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
@@ -71,33 +81,40 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
     snapshot's time and memory."""
     model_dir = build_model_dir(os.path.join(root, f"{hidden}x{layers}"), hidden, layers)
     data = dataset(ns.steps * ns.batch, ns.seq)
-    times = {"stock": [], "safe": []}
-    for round_index in range(ns.rounds):
-        for kind in ("stock", "safe") if round_index % 2 == 0 else ("safe", "stock"):
-            out = os.path.join(root, f"{hidden}x{layers}-{kind}{round_index}")
-            # `nan_snapshot_steps` past the run: no periodic snapshot inside the timed steps (it is timed apart).
-            trainer = make_trainer(kind, model_dir, out, data, ns.steps, ns.batch, ns.steps + 1, ns.optim)
-            timer = StepTimer(CLOCKS[ns.clock])
-            trainer.add_callback(timer)
-            trainer.train()
-            times[kind] += timer.times[ns.warmup :]
-            if kind == "safe" and round_index == 0:
-                taken, restored = time_snapshot(trainer, ns.repeats, CLOCKS[ns.clock])
-                held = snapshot_bytes(trainer.nan_guard.snapshotter.snapshot)
-                params = sum(p.numel() for p in trainer.model.parameters())
-            del trainer
-            release()
-            shutil.rmtree(out, ignore_errors=True)
+    clock, seen = CLOCKS[ns.clock], {}
+
+    def run(kind: str, round_index: int) -> tuple[float, list[float]]:
+        out = os.path.join(root, f"{hidden}x{layers}-{kind}{round_index}")
+        trainer = make_trainer(
+            kind, model_dir, out, data, ns.steps, ns.batch, ns.snapshot_steps, ns.optim,
+            logging_steps=ns.logging_steps, save_steps=ns.save_steps,
+        )  # fmt: skip
+        timer = StepTimer(clock)
+        trainer.add_callback(timer)
+        whole = timed_train(trainer, clock)
+        if kind == "safe" and "taken" not in seen:
+            seen["taken"], seen["restored"] = time_snapshot(trainer, ns.repeats, clock)
+            seen["held"] = snapshot_bytes(trainer.nan_guard.snapshotter.snapshot)
+            seen["params"] = sum(p.numel() for p in trainer.model.parameters())
+        step_times = timer.times[ns.warmup :]
+        del trainer
+        release()
+        shutil.rmtree(out, ignore_errors=True)
+        return whole, step_times
+
+    runs = interleave(ns.rounds, run)
     shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
-    stock, safe = statistics.median(times["stock"]), statistics.median(times["safe"])
-    snapshot, restore = statistics.median(taken), statistics.median(restored)
+    snapshot, restore = statistics.median(seen["taken"]), statistics.median(seen["restored"])
+    params, held = seen["params"], seen["held"]
     estimate = per_rank_bytes(RunShape(f"{hidden}x{layers}", params, params, "single"))
     return (
         f"{params / 1e6:.1f}M",
-        f"{stock * 1e3:.0f}",
-        f"{safe * 1e3:.0f}",
-        f"{(safe - stock) * 1e3:+.1f}",
-        f"{safe / stock:.3f}",
+        f"{runs.mean_run('stock'):.2f}",
+        f"{runs.mean_run('safe'):.2f}",
+        f"{runs.whole_ratio:.3f}",
+        f"{runs.median_step('stock') * 1e3:.0f}",
+        f"{runs.median_step('safe') * 1e3:.0f}",
+        f"{runs.step_ratio:.3f}",
         f"{snapshot * 1e3:.1f}",
         f"{snapshot * 1e3 / (held / 1e6):.3f}",
         f"{restore * 1e3:.1f}",
@@ -108,10 +125,12 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
 
 HEADER = [
     "parameters",
+    "stock run (s)",
+    "safe run (s)",
+    "whole run, safe / stock",
     "stock step (ms)",
     "safe step (ms)",
-    "safe - stock (ms)",
-    "safe / stock",
+    "per-step median ratio",
     "check + snapshot (ms)",
     "snapshot ms per MB",
     "restore (ms)",
@@ -135,11 +154,14 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     clock = "CPU time of the process" if ns.clock == "cpu" else "wall time"
+    shape = run_shape(ns.steps, ns.logging_steps, ns.save_steps, ns.snapshot_steps)
     print(
         f"\nDPO, batch {ns.batch}, ~{ns.seq} tokens, {device_name()}, {ns.threads} torch thread(s), "
-        f"optim={ns.optim}. Times are {clock}; step times are medians over {ns.rounds} runs x "
-        f"{ns.steps - ns.warmup} steps (after {ns.warmup} warm-up steps each); check + snapshot and restore are "
-        f"medians of {ns.repeats}; MB = 10^6 bytes. The bench took {time.perf_counter() - start:.0f} s of wall time.\n"
+        f"optim={ns.optim}. Times are {clock}. Each size: {ns.rounds} interleaved pairs of whole `train()` calls "
+        f"({shape}); runs are the mean whole-run times, the whole-run ratio that of their sums; "
+        f"{step_clock_note(False)}, medians over {ns.steps - ns.warmup} steps of each run (after {ns.warmup} warm-up "
+        f"steps), the per-step ratio the median of the per-round ratios; check + snapshot and restore are medians of "
+        f"{ns.repeats}; MB = 10^6 bytes. The bench took {time.perf_counter() - start:.0f} s of wall time.\n"
     )
     print(markdown_table(HEADER, rows))
     return 0

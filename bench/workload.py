@@ -12,6 +12,7 @@ import gc
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,26 +29,57 @@ from safe_trainers.testing.toy import build_tokenizer, model_config  # noqa: E40
 
 
 class StepTimer(TrainerCallback):
-    """The time of each optimizer step, from step begin to step end, device work included: wall time by default;
-    `clock=time.process_time` counts the process's CPU time instead (CPU-only runs on a shared machine)."""
+    """The time of each optimizer step, from step begin to step end, with no synchronisation per step (a sync would
+    serialise whatever the guard overlaps with the step): on a GPU, CUDA events recorded on the training stream at
+    step begin and end (the device's time for the step's queued work, read once after training, [`times`]); on the
+    CPU, the host clock, wall time by default (`clock=time.process_time` counts the process's CPU time instead)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
-        self.times: list[float] = []
-        self._start = 0.0
+        self.events = torch.cuda.is_available() and clock is time.perf_counter
+        self._times: list[float] = []
+        self._marks: list[tuple] = []
+        self._start: object = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
-        _sync()
-        self._start = self.clock()
+        self._start = self._mark()
 
     def on_step_end(self, args, state, control, **kwargs):
-        _sync()
-        self.times.append(self.clock() - self._start)
+        if self.events:
+            self._marks.append((self._start, self._mark()))
+        else:
+            self._times.append(self.clock() - self._start)
+
+    def _mark(self):
+        if not self.events:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @property
+    def times(self) -> list[float]:
+        """The step times in seconds (on a GPU, read after the run: this waits for its last event)."""
+        if self.events and self._marks:
+            self._marks[-1][1].synchronize()
+            self._times += [begin.elapsed_time(end) / 1e3 for begin, end in self._marks]
+            self._marks = []
+        return self._times
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed_train(trainer, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The time of the whole `trainer.train()` call (every step, snapshot, check, log and save in it), the device's
+    queued work included (one sync before and one after; none per step)."""
+    _sync()
+    start = clock()
+    trainer.train()
+    _sync()
+    return clock() - start
 
 
 def release() -> None:
@@ -57,11 +89,49 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def qwen2_config(hidden: int, layers: int):
+@dataclass(frozen=True)
+class Workload:
+    """A named shape of the benches' DPO run (`--workload`): the model and the batches it trains on.
+
+    Args:
+        hidden (`int`), layers (`int`): the Qwen2-style model's size ([`qwen2_config`]).
+        seq (`int`): about this many tokens per sequence.
+        batch (`int`): `per_device_train_batch_size`.
+        vocab (`int | None`): the model's vocabulary (untied input and output embeddings); `None`: the toy
+            tokenizer's (384). Rows past the tokenizer's are never fed, yet trained by AdamW (weight decay, moments)
+            and copied by every snapshot, like a real model's rare tokens.
+    """
+
+    hidden: int
+    layers: int
+    seq: int
+    batch: int
+    vocab: int | None = None
+
+
+WORKLOADS: dict[str, Workload] = {
+    # Compute-bound on a CPU: the state (13 MB with AdamW) is small next to a ~100 ms step.
+    "dpo": Workload(hidden=128, layers=4, seq=128, batch=4),
+    # Memory-bound: a 64k-token vocabulary (two 16.8M-parameter embeddings, 35.5M parameters, ~430 MB of state with AdamW), batch 1,
+    # ~16 tokens: the optimizer step and the snapshot's copies weigh as much next to the compute as on a GPU.
+    "memory-bound": Workload(hidden=256, layers=2, seq=16, batch=1, vocab=65536),
+}
+
+
+def apply_workload(ns) -> None:
+    """Fill the size arguments left unset on the command line (`None`) from `WORKLOADS[ns.workload]`."""
+    chosen = WORKLOADS[ns.workload]
+    for name in ("hidden", "layers", "seq", "batch", "vocab"):
+        if getattr(ns, name, None) is None:
+            setattr(ns, name, getattr(chosen, name))
+
+
+def qwen2_config(hidden: int, layers: int, vocab: int | None = None):
     """A Qwen2-style config: MLP 4x hidden, heads of 64, grouped-query attention (one KV head per two query heads),
-    the toy tokenizer's vocabulary."""
+    the toy tokenizer's vocabulary unless `vocab` is given (untied embeddings)."""
     return model_config(
         "qwen2",
+        **({"vocab_size": vocab} if vocab else {}),
         hidden_size=hidden,
         intermediate_size=4 * hidden,
         num_hidden_layers=layers,
@@ -71,23 +141,25 @@ def qwen2_config(hidden: int, layers: int):
     )
 
 
-def parameter_count(hidden: int, layers: int) -> int:
+def parameter_count(hidden: int, layers: int, vocab: int | None = None) -> int:
     """Parameters of [`qwen2_config`]'s model, counted on the meta device (nothing allocated)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(qwen2_config(hidden, layers))
+        model = AutoModelForCausalLM.from_config(qwen2_config(hidden, layers, vocab))
     return sum(p.numel() for p in model.parameters())
 
 
-def build_model_dir(root: str, hidden: int, layers: int, dtype: torch.dtype | None = None) -> str:
+def build_model_dir(
+    root: str, hidden: int, layers: int, dtype: torch.dtype | None = None, vocab: int | None = None
+) -> str:
     """Build [`qwen2_config`]'s model (random weights, seed 0; stored in `dtype`, fp32 by default) and the toy
     tokenizer into `root/model`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     path = os.path.join(root, "model")
-    AutoModelForCausalLM.from_config(qwen2_config(hidden, layers), dtype=dtype).save_pretrained(path)
+    AutoModelForCausalLM.from_config(qwen2_config(hidden, layers, vocab), dtype=dtype).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
 
@@ -156,13 +228,15 @@ def time_snapshot(
 
 def make_trainer(
     kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int, optim: str,
-    **safe_config,
+    logging_steps: int = 10, save_steps: int = 0, **safe_config,
 ):  # fmt: skip
     # The `"quick"` preset (lr 1e-5), scaled up; the stock run has no guard, so no `nan_snapshot_steps`.
-    # `safe_config`: more settings of the safe run (e.g. `nan_spike_factor`).
+    # `save_steps`: a checkpoint every that many steps (0: none). `safe_config`: more settings of the safe run (e.g.
+    # `nan_spike_factor`).
     own = dict(trainer_cls=trl.DPOTrainer, config_cls=trl.DPOConfig) if kind == "stock" else {}
     if kind == "safe":
         own.update(nan_snapshot_steps=snapshot_steps, **safe_config)
+    saves = dict(save_strategy="steps", save_steps=save_steps) if save_steps else dict(save_strategy="no")
     return build_trainer(
         "dpo",
         model_dir,
@@ -170,10 +244,11 @@ def make_trainer(
         dataset=data,
         max_steps=steps,
         per_device_train_batch_size=batch,
-        logging_steps=10,
+        logging_steps=logging_steps,
         bf16=torch.cuda.is_available(),
         precompute_ref_log_probs=False,
         optim=optim,
+        **saves,
         **own,
     )
 

@@ -13,6 +13,7 @@ from ..restarts.preemption import Preemption
 from ..restarts.step_progress import StepProgress
 from ..restarts.watchdog import HangWatchdog
 from . import inspection
+from .read_only import due_unless_settled
 
 
 class NanGuardCallback(TrainerCallback):
@@ -26,6 +27,7 @@ class NanGuardCallback(TrainerCallback):
     """
 
     priority = 20  # see `run.py`: after the step record's, before the watchdog's
+    leaves_state_alone = True  # see `read_only.py`
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
@@ -49,7 +51,8 @@ class NanGuardCallback(TrainerCallback):
         inspection.inspect(self.trainer)
 
     def _at_boundary(self, control: Any) -> None:
-        due = self.trainer.safe_run.guard.due(control)
+        run = self.trainer.safe_run
+        due = due_unless_settled(run.guard, control) if run.callbacks_read_only else run.guard.due(control)
         if due is not None:
             verify, snapshot = due
             inspection.inspect(self.trainer, verify=verify, snapshot=snapshot)
@@ -59,6 +62,7 @@ class PreemptionCallback(TrainerCallback):
     """Has the step every rank stops at for a preemption save and end training ([`Preemption`])."""
 
     priority = 40  # see `run.py`: before the step record and the guard
+    leaves_state_alone = True  # see `read_only.py`
 
     def __init__(self, preemption: Preemption):
         self.preemption = preemption
@@ -79,6 +83,7 @@ class StepProgressCallback(TrainerCallback):
     """Tells the step record when each optimizer step begins and ends ([`StepProgress`])."""
 
     priority = 30  # see `run.py`: after preemption, before the guard
+    leaves_state_alone = True  # see `read_only.py`
 
     def __init__(self, progress: StepProgress):
         self.progress = progress
@@ -97,6 +102,7 @@ class HangWatchdogCallback(TrainerCallback):
     """Times each optimizer step with the [`HangWatchdog`]."""
 
     priority = 10  # see `run.py`: after the guard, whose inspection is timed with the step
+    leaves_state_alone = True  # see `read_only.py`
 
     def __init__(self, watchdog: HangWatchdog):
         self.watchdog = watchdog
@@ -118,6 +124,7 @@ class CompileWatchCallback(TrainerCallback):
     """Keeps the [`CompileWatch`] registered with TorchDynamo while training runs."""
 
     priority = 0  # see `run.py`: anywhere
+    leaves_state_alone = True  # see `read_only.py`
 
     def __init__(self, watch: CompileWatch):
         self.watch = watch

@@ -128,6 +128,7 @@ class HookCheckCallback(TrainerCallback):
     """
 
     priority = 50  # see `run.py`: first of all
+    leaves_state_alone = True  # see `read_only.py`
 
     def __init__(self, trainer: Any):
         self.trainer = trainer

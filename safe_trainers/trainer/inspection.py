@@ -18,6 +18,7 @@ from ..guard import Decision, Verdict, rollback_source
 from ..runtime.checkpoint_dirs import checkpoint_dir
 from .checkpoint_rollback import load_good_checkpoint
 from .port import training_backend
+from .read_only import callbacks_read_only
 from .replay import diagnose
 
 logger = logging.getLogger("safe_trainers")
@@ -27,6 +28,7 @@ def begin(trainer: Any) -> None:
     """Training starts (`on_train_begin`): the guard binds to the backend and keeps its first good state."""
     run = trainer.safe_run
     run.port.bind(trainer)  # the state, the model and the scheduler of this `train()` call
+    run.callbacks_read_only = callbacks_read_only(trainer.callback_handler.callbacks, trainer.args.device)
     rollback_from, note = rollback_source(trainer.safety_settings, trainer.args, trainer.safety_report)
     if note is not None and trainer.is_world_process_zero():
         logger.warning(note)  # the config and the guard disagree: said, with the rule that decided
@@ -75,7 +77,10 @@ def carry_out(trainer: Any, decision: Decision) -> None:
 def finish(trainer: Any) -> None:
     """When `train()` returns, after every callback of the last step and of `on_train_end`: verify once more (every
     rank) and put the last good state back if something damaged it after the last check."""
-    guard = trainer.safe_run.guard
+    run = trainer.safe_run
+    guard = run.guard
+    if end_check_needless(run, trainer.args, trainer.state.global_step):
+        return
     best = trainer.state.best_model_checkpoint
     best = best if trainer.args.load_best_model_at_end and best and os.path.isdir(best) else None
     end = guard.check_at_end(best)
@@ -87,6 +92,12 @@ def finish(trainer: Any) -> None:
         elif end.load is not None:
             load_good_checkpoint(trainer, end.load, guard.backend)
     guard.restored_at_end(end)
+
+
+def end_check_needless(run: Any, args: Any, step: int) -> bool:
+    """Whether the state `train()` returns is the one verified at its last step: verified at `step`, nothing since
+    that could change it (every callback leaves the state alone, no best checkpoint loaded at the end)."""
+    return run.callbacks_read_only and run.guard.verified_step == step and not args.load_best_model_at_end
 
 
 def publish_good_state(trainer: Any) -> None:

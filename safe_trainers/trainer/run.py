@@ -89,6 +89,8 @@ class SafeRun:
         callbacks (`list`): the callbacks that bring the Trainer's loop events to the above, highest `priority`
             first (installed once, `install_callbacks`).
         output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
+        callbacks_read_only (`bool`): every callback of the trainer, on every rank, leaves the weights and optimizer
+            state alone, so a verification holds until the next step trains (`read_only.py`; set at train start).
     """
 
     guard: NanGuard | None = None
@@ -102,6 +104,7 @@ class SafeRun:
     hooks: HookState | None = None
     callbacks: list[Any] = field(default_factory=list)
     output_lock: OutputDirLock | None = None
+    callbacks_read_only: bool = False
 
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:

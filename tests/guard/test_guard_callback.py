@@ -53,7 +53,7 @@ class RecordingInspection:
 def test_each_trainer_event_calls_its_guard_method(monkeypatch):
     own, passed = object(), object()
     guard = RecordingGuard(due=[(True, False), None])  # the step's end: due (verify, no snapshot); the epoch's: not
-    trainer = SimpleNamespace(optimizer=own, safe_run=SimpleNamespace(guard=guard))
+    trainer = SimpleNamespace(optimizer=own, safe_run=SimpleNamespace(guard=guard, callbacks_read_only=False))
     monkeypatch.setattr(callback_module, "inspection", RecordingInspection(guard))  # this module's name only
     callback = NanGuardCallback(trainer)
     args, state, control = None, TrainerState(), TrainerControl()
