@@ -1,6 +1,6 @@
 """A snapshot's copies on their side stream (`runtime/copy_stream.py`): exact, safe against freed sources, measured
-without a host synchronisation, and overlapped with the next step: the step after a snapshot is at most 10% of a
-step longer than the median step.
+without a host synchronisation, and overlapped with the next step: a snapshot delays the step after it by at most 10%
+of a median step.
 
 Written and reviewed without a GPU at hand (issue 30, item 2): this file has not run on a GPU yet. Skipped without one.
 """
@@ -111,7 +111,7 @@ def test_the_delay_is_the_training_streams_wait_read_without_a_synchronisation()
 # ~120M parameters (1.45 GB of state: 25-60 ms at PCIe speed), 48k tokens a step (~150 ms on an H100/H200): the copy
 # is a good part of a step, and fits inside the next forward and backward. Resize here if the bounds below say so.
 HIDDEN, LAYERS, SEQUENCE, BATCH = 1024, 8, 2048, 24
-MAX_STEPS, SNAPSHOT_EVERY = 40, 10
+MAX_STEPS, SNAPSHOT_EVERY, LOG_EVERY = 40, 10, 5
 
 
 class StepEvents(TrainerCallback):
@@ -147,7 +147,7 @@ def test_a_snapshot_does_not_delay_the_next_step(tmp_path, monkeypatch, record_p
     trainer = build_trainer(
         "sft", model, tmp_path / "out", dataset=long_texts(MAX_STEPS * BATCH, SEQUENCE), max_steps=MAX_STEPS,
         per_device_train_batch_size=BATCH, max_length=SEQUENCE, bf16=True, learning_rate=1e-5,
-        logging_steps=MAX_STEPS + 1, nan_snapshot_steps=SNAPSHOT_EVERY,
+        logging_steps=LOG_EVERY, nan_snapshot_steps=SNAPSHOT_EVERY,
     )  # fmt: skip
     events = StepEvents()
     trainer.add_callback(events)
@@ -161,11 +161,15 @@ def test_a_snapshot_does_not_delay_the_next_step(tmp_path, monkeypatch, record_p
     monkeypatch.setattr(HostSnapshot, "take", take)
     trainer.train()
     spans = events.spans_ms()
-    # The first snapshots allocate and pin the buffers (the moments appear after the first update): not measured.
+    # Every boundary with a snapshot also logs, and reads back to the host (its check, the logged loss): the GPU idles
+    # until the host queues the next step. The boundaries that only log do the same without a snapshot: the delay
+    # of a snapshot is the step after it minus the steps after those. The first snapshots allocate and pin the
+    # buffers (the moments appear after the first update): not measured.
     measured = [step + 1 for step in taken[2:] if step + 1 in spans]
     assert measured, f"no snapshot to measure: snapshots at {taken}"
-    plain = [ms for step, ms in spans.items() if step > 2 and step - 1 not in taken]
-    median = statistics.median(plain)
+    logged = [spans[s + 1] for s in range(LOG_EVERY, MAX_STEPS, LOG_EVERY) if s not in taken and s + 1 in spans]
+    plain = [ms for step, ms in spans.items() if step > 2 and step - 1 not in taken and (step - 1) % LOG_EVERY]
+    median, after_log = statistics.median(plain), statistics.median(logged)
 
     # The copy must matter: on the training stream it would take a good part of a step (here it is timed alone).
     snapshotter = trainer.nan_guard.snapshotter
@@ -180,9 +184,12 @@ def test_a_snapshot_does_not_delay_the_next_step(tmp_path, monkeypatch, record_p
     torch.cuda.synchronize()
     copy_ms = start.elapsed_time(end)
     after = {step: spans[step] for step in measured}
-    record(record_property, "copy_overlap", {"median_step_ms": median, "copy_ms": copy_ms, "after_snapshot_ms": after,
-                                             "copy_delay_s": snapshotter.copy_delay_seconds()})  # fmt: skip
+    figures = {"median_step_ms": median, "after_log_ms": after_log, "after_snapshot_ms": after, "copy_ms": copy_ms,
+               "copy_delay_s": snapshotter.copy_delay_seconds()}  # fmt: skip
+    record(record_property, "copy_overlap", figures)
     assert snapshotter.copies.route == SIDE
+    # On the training stream the copies would delay the step by about `copy_ms`: more than the 10% asserted below.
     assert 0.12 * median < copy_ms < 0.6 * median, "the workload does not show the overlap: resize it"
     for step, ms in after.items():
-        assert ms <= 1.10 * median, f"the step after the snapshot of step {step - 1}: {ms:.1f} ms, median {median:.1f}"
+        delay = ms - after_log
+        assert delay <= 0.10 * median, f"the snapshot of step {step - 1} delayed the next step by {delay:.1f} ms"
