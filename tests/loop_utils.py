@@ -119,7 +119,8 @@ class Loop:
         """The guard's hot path for a step whose loss is `loss`: returns the device skip flag."""
         self.guard.observe_loss(loss)  # `training_step`
         skip = self.guard.end_of_step(grad_norm)  # `_get_grad_norm`
-        self.guard.apply_skip(self.optimizer)  # `on_pre_optimizer_step`
+        self.guard.apply_skip(self.optimizer)  # `on_pre_optimizer_step`, with:
+        self.guard.snapshotter.before_write()
         return skip
 
     def update(self) -> None:

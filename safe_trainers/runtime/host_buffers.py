@@ -6,7 +6,9 @@ a power of two and keeps it (a 37.7 MB tensor takes a 64 MB block): the memory h
 copied. Here each dtype gets one plain host buffer of exactly the bytes its tensors need, allocated once for a layout
 and reused while the layout holds, and page-locked in place (`cudaHostRegister`) when the tensors come from a CUDA
 device, so that non-blocking device-to-host copies can land in it. Each tensor is a view of its dtype's buffer, so
-every view is aligned for its dtype. On a CPU-only run nothing is pinned; the layout is the same.
+every view is aligned for its dtype. On a CPU-only run nothing is pinned; the layout is the same. The snapshot's copies
+run on a side stream (`copy_stream.py`, through `copy_to_host`'s `stream`); buffers are reused only by copies queued
+behind the previous ones on the same stream, and unpinned only after a device synchronisation (`release`).
 
 Two ways to get a destination, one way to copy into it: [`HostBuffers`] for a fixed list of shapes (the snapshot,
 through [`copy_to_host`]), [`HostArena`] for shapes that change from one use to the next (micro-batches); both copy
@@ -15,6 +17,7 @@ through [`queue_host_copy`].
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -31,10 +34,13 @@ from .sharding import local
 logger = logging.getLogger("safe_trainers")
 
 
-def queue_host_copy(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+def queue_host_copy(destination: torch.Tensor, source: torch.Tensor, stream: Any = None) -> torch.Tensor:
     """Copy `source` into the host tensor `destination` and return `destination`. From a CUDA device the copy is
     queued on the current stream without blocking the host: `destination` must be pinned, and is read only after an
-    event recorded behind the copy (or a host synchronisation)."""
+    event recorded behind the copy (or a host synchronisation). `stream`: the side stream the caller made current
+    for the copy (`copy_stream.py`), whose use of `source` the caching allocator must know of (`record_stream`)."""
+    if stream is not None and source.is_cuda:
+        source.record_stream(stream)
     return destination.copy_(source, non_blocking=source.is_cuda)
 
 
@@ -220,13 +226,15 @@ class HostArena:
         return any(b.untyped_storage().data_ptr() == storage for b in buffers)
 
 
-def copy_to_host(value: Any, buffers: HostBuffers) -> Any:
+def copy_to_host(value: Any, buffers: HostBuffers, stream: Any = None) -> Any:
     """A host copy of a nested structure (dicts, lists, tuples) of tensors: every tensor copied into a view of
     `buffers` (non-blocking from a CUDA device: wait on an event recorded after it before reading), every other leaf
-    deep-copied. A `DTensor` is copied as this rank's shard."""
+    deep-copied. A `DTensor` is copied as this rank's shard. `stream`: a CUDA stream to queue the copies on instead
+    of the current one (`copy_stream.py`)."""
     leaves = [local(t).detach() for t in tensors(value)]
     views = buffers.views([(tuple(t.shape), t.dtype) for t in leaves], pin=any(t.is_cuda for t in leaves))
-    held = iter([queue_host_copy(view, tensor) for view, tensor in zip(views, leaves)])
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        held = iter([queue_host_copy(view, tensor, stream) for view, tensor in zip(views, leaves)])
     return map_tensors(value, lambda _: next(held), copy.deepcopy)
 
 

@@ -18,7 +18,7 @@ from .read_only import due_unless_settled
 
 class NanGuardCallback(TrainerCallback):
     """Takes the first snapshot at train start, hands the skip flag to the optimizer before each step (and takes it
-    back after it), and inspects the recent steps (skip, roll back, snapshot) at the end of each step and epoch, after
+    back after it; the step waits for a snapshot's copies still in flight, on the device), and inspects the recent steps (skip, roll back, snapshot) at the end of each step and epoch, after
     the Trainer's flow callback decided whether this step logs, evaluates, saves or ends training, and before it does
     any of them.
 
@@ -37,6 +37,7 @@ class NanGuardCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs: Any):
         self.trainer.safe_run.guard.apply_skip(optimizer if optimizer is not None else self.trainer.optimizer)
+        inspection.before_write(self.trainer)  # the update waits, on the device, for a snapshot's copies in flight
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs: Any):
         self.trainer.safe_run.guard.after_update(optimizer if optimizer is not None else self.trainer.optimizer)

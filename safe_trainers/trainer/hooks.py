@@ -88,6 +88,7 @@ class NanGuardTrainerMixin(CheckpointHooks):
             )
         finally:
             if guard is not None:
+                inspection.before_write(self)  # the caller may write the weights next: no snapshot copy in flight
                 after_train(self)  # signal handlers back, watchdog stopped
         if guard is not None:
             inspection.finish(self)
@@ -140,6 +141,11 @@ class NanGuardTrainerMixin(CheckpointHooks):
             skipped = run.guard.deepspeed and bool(self.accelerator.optimizer_step_was_skipped)
             run.guard.end_of_step(grad_norm, backend_skipped=skipped, dropped=run.progress.dropping)
         return grad_norm
+
+    def _load_best_model(self) -> None:
+        if self.safe_run.guard is not None:  # it writes the weights: the last snapshot's copies finish first
+            inspection.before_write(self)
+        super()._load_best_model()
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)

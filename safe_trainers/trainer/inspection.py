@@ -100,6 +100,15 @@ def end_check_needless(run: Any, args: Any, step: int) -> bool:
     return run.callbacks_read_only and run.guard.verified_step == step and not args.load_best_model_at_end
 
 
+def before_write(trainer: Any) -> None:
+    """The weights or the optimizer state are about to be written (the optimizer step, the best model loaded at the
+    end, the caller's code once `train()` returns): the last snapshot's copies, if still in flight on their side
+    stream, finish first, on the device (`runtime/copy_stream.py`)."""
+    snapshotter = trainer.safe_run.guard.snapshotter
+    if snapshotter is not None:
+        snapshotter.before_write()
+
+
 def publish_good_state(trainer: Any) -> None:
     """Publish the state training is at as a checkpoint, for `nan_rollback_from="checkpoint"` (verified and staged
     like any checkpoint; not uploaded to the Hub)."""
@@ -123,4 +132,4 @@ def save_abort_checkpoint(trainer: Any, step: int) -> str | None:
         return None
 
 
-__all__ = ["begin", "carry_out", "finish", "inspect", "publish_good_state", "save_abort_checkpoint"]
+__all__ = ["before_write", "begin", "carry_out", "finish", "inspect", "publish_good_state", "save_abort_checkpoint"]

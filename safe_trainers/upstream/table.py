@@ -84,8 +84,9 @@ TRANSFORMERS: tuple[T, ...] = (
     T(TRAINER, "_load_from_checkpoint", "method", "calls", "4.11-4.20", "trainer/checkpoint_rollback.py",
       "rollback from disk (`nan_rollback_from=\"checkpoint\"`) reloads the weights",
       ("tests/guard/test_guard_disk_rollback.py::test_rollback_reloads_the_newest_checkpoint",)),
-    T(TRAINER, "_load_best_model", "method", "calls", "4.11-4.20", "trainer/inspection.py",
-      "weights damaged after the last check are replaced by the best checkpoint (`load_best_model_at_end`)",
+    T(TRAINER, "_load_best_model", "method", "overrides, calls", "4.11-4.20", "trainer/hooks.py, trainer/inspection.py",
+      "weights damaged after the last check are replaced by the best checkpoint (`load_best_model_at_end`); a "
+      "snapshot's copies still in flight finish first, on the device",
       ("tests/guard/test_damage_after_the_last_check.py::"
        "test_with_load_best_model_at_end_the_best_checkpoint_is_put_back",)),
     T("transformers:TrainerCallback", "on_pre_optimizer_step", "method", "overrides", "4.41-4.45",

@@ -7,7 +7,8 @@ whether an inspection is due) run under a [`SyncWatch`]: CUDA's sync debug mode 
 and `torch.cuda.synchronize()`, `Event.synchronize()`, `Stream.synchronize()` and `torch.distributed` waits are
 counted. Inspections (log, save, evaluation, every `nan_snapshot_steps`, the last step) read the flags back by
 design: the run logs and snapshots past its end, so every step but the last is a pure hot-path step. A NaN loss at
-step 3 is skipped without any host read: its weights and optimizer step counts are those of before the step.
+step 3 is skipped without any host read: its weights and optimizer step counts are those of before the step. A
+snapshot's copies run on a side stream, and the update after it waits for them on the device: watched too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 from sync_watch import SyncWatch
 
+from safe_trainers.guard.rollback.memory import HostSnapshot
+from safe_trainers.runtime.copy_stream import SIDE
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
@@ -116,6 +119,31 @@ def test_no_host_sync_per_step_and_the_fault_is_skipped_on_the_device(toy_models
     assert states.unchanged(FAULT_STEP)
     assert any(states.applied(step) for step in range(2, MAX_STEPS + 1) if step != FAULT_STEP)
     assert "found_inf" not in vars(trainer.optimizer.optimizer)
+
+
+def test_the_update_after_a_snapshot_waits_for_its_copies_on_the_device_only(toy_models, tmp_path, monkeypatch):
+    # A snapshot every 2 steps: its copies run on a side stream, and the first update after it waits for them
+    # (`HostSnapshot.before_write`, watched like the hot path): a device wait, no host synchronisation.
+    trainer = hot_path_trainer(toy_models, tmp_path, nan_snapshot_steps=2)
+    watch = watch_guard(trainer, monkeypatch)
+    in_flight: list[int] = []
+    real_before_write = HostSnapshot.before_write
+
+    def before_write(self):
+        if self.copies.pending is not None:
+            in_flight.append(trainer.state.global_step)
+        with watch.watching():
+            real_before_write(self)
+
+    monkeypatch.setattr(HostSnapshot, "before_write", before_write)
+    trainer.train()  # raises if a watched call synchronises implicitly
+    assert watch.explicit == []
+    snapshotter = trainer.nan_guard.snapshotter
+    assert snapshotter.copies.route == SIDE
+    assert in_flight[:3] == [0, 2, 4]  # the snapshots of train start, steps 2 and 4, waited for by the next update
+    # Read back without a synchronisation once the device passed the wait (the check after training read it back).
+    delay = snapshotter.copy_delay_seconds()
+    assert delay is not None and delay >= 0.0
 
 
 def test_the_watch_catches_the_host_read_of_a_non_fused_optimizer(toy_models, tmp_path, monkeypatch):

@@ -49,6 +49,9 @@ class RecordingInspection:
     def inspect(self, trainer, verify=False, snapshot=False, fresh=False):
         self.guard.calls.append(("inspect", trainer, verify, snapshot, fresh))
 
+    def before_write(self, trainer):
+        self.guard.calls.append(("before_write", trainer))
+
 
 def test_each_trainer_event_calls_its_guard_method(monkeypatch):
     own, passed = object(), object()
@@ -67,8 +70,9 @@ def test_each_trainer_event_calls_its_guard_method(monkeypatch):
     callback.on_train_end(args, state, control)
     assert guard.calls == [
         ("begin", trainer),
-        ("apply_skip", passed), ("after_update", passed),
-        ("apply_skip", own), ("after_update", own),
+        # the update waits (on the device) for a snapshot's copies still in flight: after the skip flag, before it
+        ("apply_skip", passed), ("before_write", trainer), ("after_update", passed),
+        ("apply_skip", own), ("before_write", trainer), ("after_update", own),
         ("due", control),  # the step's and the epoch's end: inspect when due, with the flow's decisions
         ("inspect", trainer, True, False, False),
         ("due", control),
@@ -77,7 +81,7 @@ def test_each_trainer_event_calls_its_guard_method(monkeypatch):
     # The events the guard has no part in call nothing.
     for event in ("on_step_begin", "on_log", "on_save", "on_evaluate", "on_substep_end", "on_epoch_begin"):
         getattr(callback, event)(args, state, control)
-    assert len(guard.calls) == 9
+    assert len(guard.calls) == 11
 
 
 @pytest.fixture

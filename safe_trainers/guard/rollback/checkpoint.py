@@ -95,6 +95,9 @@ class CheckpointSource:
     def refresh_best_fields(self, state: Any) -> None:
         """Nothing to refresh: a restore takes the best-model fields from the checkpoint it loads."""
 
+    def before_write(self) -> None:
+        """Nothing in flight: the state is kept by the checkpoints the trainer saves."""
+
     def to_load(self, step: int) -> str:
         """The newest good checkpoint at or before `step`, which the caller loads before [`restore`]; when none is
         left, the run stops ([`TrainingDivergedError`], with an `abort` event)."""

@@ -8,8 +8,10 @@ weights: `global_step`, the data position, the LR schedule position, the loss sc
 the token/FLOP counters keep going (see `rollback/actions.py`).
 
 Tensors go to host memory: one buffer per dtype, sized exactly and reused from one snapshot to the next, each tensor a
-view of it (`runtime/host_buffers.py`); page-locked when a GPU is used, with non-blocking copies that queue behind the
-training step on the same stream, so taking a snapshot does not stall the step. A restore copies each tensor back
+view of it (`runtime/host_buffers.py`); page-locked when a GPU is used, with non-blocking copies on a side stream that
+overlap the next steps' forward and backward (`runtime/copy_stream.py`): the first later write of the state (the
+optimizer step, through [`HostSnapshot.before_write`]) waits for them on the device, and a restore waits for them on
+the host. Under DeepSpeed ZeRO they queue behind the step on the training stream. A restore copies each tensor back
 into the live tensor it replaces, on that tensor's device and in its dtype, so neither needs more than the tensor
 itself. Under DeepSpeed ZeRO and FSDP2 each rank keeps its own shard (for FSDP2, the local shards of its `DTensor`
 parameters and moments: placements never change, so taking and restoring a snapshot needs no collective).
@@ -22,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ...runtime.host_buffers import HostBuffers, copy_to_host
+from ...runtime.copy_stream import CopyStream
+from ...runtime.host_buffers import HostBuffers
 from ...runtime.sharding import is_sharded, like, local, reshard
 from ..backends import Backend
 from .frozen import repair_frozen
@@ -51,6 +54,7 @@ class HostSnapshot:
         self.optimizer, self.deepspeed_stage = backend.optimizer, backend.zero_stage
         self.snapshot = Snapshot()
         self.host = HostBuffers()
+        self.copies = CopyStream()
         self.checkpoints: list[str] = [resumed_from] if resumed_from else []
 
     # -- taking -------------------------------------------------------------------------------------------------
@@ -64,26 +68,29 @@ class HostSnapshot:
         if self.deepspeed_stage is not None:
             source = _deepspeed_state(self.optimizer, self.deepspeed_stage)
             snap.placements = _placements(source["base"]) if self.deepspeed_stage != 3 else {}
-            snap.deepspeed_state = copy_to_host(source, self.host)
+            snap.deepspeed_state, snap.ready = self.copies.copy(source, self.host, self.deepspeed_stage)
         else:
             live = {
                 "params": {n: p for n, p in self.model.named_parameters() if p.requires_grad},
                 "optimizer": _optimizer_state(self.optimizer),
             }
             snap.placements = _placements(live["optimizer"])
-            held = copy_to_host(live, self.host)
+            held, snap.ready = self.copies.copy(live, self.host)
             snap.params, snap.optimizer_state = held["params"], held["optimizer"]
         snap.counters = best_model_fields(state)
         snap.step = state.global_step
-        if torch.cuda.is_available():
-            snap.ready = torch.cuda.Event()
-            snap.ready.record()
         return snap
 
+    def before_write(self) -> None:
+        """The weights or the optimizer state are about to be written: the copies of the last snapshot, if still in
+        flight, finish first (the training stream waits on the device, [`CopyStream.before_write`])."""
+        self.copies.before_write()
+
     def copy_delay_seconds(self) -> float | None:
-        """The device time the last snapshot's copies added to the training (none here: the copies run on the host,
-        within the time the guard measures around [`take`])."""
-        return 0.0
+        """How long the training stream was held up by the copies of the last snapshot whose copies completed
+        ([`CopyStream.delay_seconds`]: the wait at the first write after it, or the copies' own time when they ran on
+        the training stream); `0.0` for host copies, `None` before it is known. Never synchronises."""
+        return self.copies.delay_seconds()
 
     def published(self, path: str) -> None:
         """The trainer published a verified checkpoint: a source for damaged frozen parameters (the host copy stays

@@ -35,7 +35,7 @@ class Snapshot:
     optimizer_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     placements: dict[tuple[int, str], tuple[torch.device, bool]] = field(default_factory=dict)
     deepspeed_state: Any = None
-    ready: Any = None  # a CUDA event recorded after the copies were queued
+    ready: Any = None  # a CUDA event recorded after the copies were queued (on their side stream, if any)
 
     @property
     def taken(self) -> bool:
@@ -78,6 +78,10 @@ class RollbackSource(Protocol):
 
     def refresh_best_fields(self, state: Any) -> None:
         """Record the best-model fields of `state` as they are now, for the weights already kept."""
+
+    def before_write(self) -> None:
+        """The weights or the optimizer state are about to be written (the optimizer step, a load): what still reads
+        them for the last good state (a snapshot's copies in flight) finishes first, on the device."""
 
     def restore(self, state: Any) -> Snapshot:
         """Put the last good weights, optimizer state and best-model fields back (after the caller loaded
