@@ -57,6 +57,8 @@ def parse(argv=None):
     parser.add_argument("--bypass", action="append", default=[], help="a hook of the guard to take out (hook_utils)")
     parser.add_argument("--spike_factor", type=float, default=None, help="`nan_spike_factor` (default: the config's)")
     parser.add_argument("--learning_rate", type=float, default=None, help="(default: the preset's)")
+    parser.add_argument("--probe", action="store_true", help="record state digests and snapshot bytes (shard_probe)")
+    parser.add_argument("--drop_shard", default=None, help="STEP:RANK: that rank drops its snapshot shard then")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
 
@@ -124,6 +126,13 @@ def main(argv=None) -> int:
         **({"learning_rate": ns.learning_rate} if ns.learning_rate is not None else {}),
     )
     injector = trainer.fault_injector
+    probe = None
+    if ns.probe or ns.drop_shard:
+        from shard_probe import ShardProbe
+
+        drop = [int(v) for v in ns.drop_shard.split(":")] if ns.drop_shard else [None, None]
+        probe = ShardProbe(trainer, *drop)
+        trainer.add_callback(probe)
     outcome = "finished"
     try:
         trainer.train(resume_from_checkpoint=True if ns.resume == "true" else ns.resume)
@@ -155,6 +164,8 @@ def main(argv=None) -> int:
         "state_dict_type": str(getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "state_dict_type", "")),
         "checksum": float(sum(p.detach().double().sum() for p in params if p.numel() > 0)),
     }
+    if probe is not None:
+        result.update(digests=probe.digests, host_bytes=probe.host_bytes, state_bytes=probe.state_bytes)
     write_result(ns.out, result)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()  # destroys the process group before the interpreter exits

@@ -25,7 +25,9 @@ import torch
 from ...runtime.host_buffers import HostBuffers, copy_to_host
 from ...runtime.sharding import is_sharded, like, local, reshard
 from ..backends import Backend
+from .checkpoint import CheckpointSource
 from .frozen import repair_frozen
+from .replica_shards import replica_shards, shard_fallback
 from .source import Snapshot, best_model_fields, kept_hyperparameters
 
 
@@ -38,6 +40,9 @@ class HostSnapshot:
             DeepSpeed ZeRO optimizer, and the ZeRO stage.
         resumed_from (`str | None`): the checkpoint `train()` resumed from, if any: with the checkpoints this run
             publishes, where a damaged frozen parameter may be restored from.
+        events ([`EventLog`], *optional*): the run's event log, and `output_dir` (`str`, *optional*) where the run
+            publishes: under DDP, where a rollback that finds a rank without its shard says so and looks for the
+            checkpoint it loads instead (`replica_shards.py`).
     """
 
     def __init__(
@@ -45,6 +50,8 @@ class HostSnapshot:
         model: torch.nn.Module,
         backend: Backend,
         resumed_from: str | None = None,
+        events: Any = None,
+        output_dir: str | None = None,
     ):
         self.model = model
         self.backend = backend
@@ -52,6 +59,9 @@ class HostSnapshot:
         self.snapshot = Snapshot()
         self.host = HostBuffers()
         self.checkpoints: list[str] = [resumed_from] if resumed_from else []
+        self.events, self.output_dir = events, output_dir
+        self.replicas = replica_shards(model, backend)  # DDP: this rank keeps 1/N of the snapshot
+        self.fallback: CheckpointSource | None = None  # a DDP rank lost its shard: the rollback loads from disk
 
     # -- taking -------------------------------------------------------------------------------------------------
     def take(self, state: Any) -> Snapshot:
@@ -71,8 +81,11 @@ class HostSnapshot:
                 "optimizer": _optimizer_state(self.optimizer),
             }
             snap.placements = _placements(live["optimizer"])
-            held = copy_to_host(live, self.host)
-            snap.params, snap.optimizer_state = held["params"], held["optimizer"]
+            if self.replicas is not None:
+                self.replicas.take(live, self.host, state.global_step)
+            else:
+                held = copy_to_host(live, self.host)
+                snap.params, snap.optimizer_state = held["params"], held["optimizer"]
         snap.counters = best_model_fields(state)
         snap.step = state.global_step
         if torch.cuda.is_available():
@@ -89,9 +102,12 @@ class HostSnapshot:
         """Never: the host copy is the good state."""
         return False
 
-    def to_load(self, step: int) -> None:
-        """Nothing for the caller to load: [`restore`] copies the host snapshot back."""
-        return None
+    def to_load(self, step: int) -> str | None:
+        """Nothing for the caller to load: [`restore`] copies the host snapshot back; unless it is sharded over DDP
+        ranks and one lost its shard: then the newest verified checkpoint ([`shard_fallback`], a collective; with
+        none, the run stops, as a disk rollback with no good state does)."""
+        self.fallback = shard_fallback(self, step) if self.replicas is not None else None
+        return self.fallback.to_load(step) if self.fallback is not None else None
 
     def refresh_best_fields(self, state: Any) -> None:
         """Record the best-model fields as they are now, for the weights already in the snapshot."""
@@ -105,6 +121,9 @@ class HostSnapshot:
         position, which a rollback does not rewind. A parameter the snapshot does not hold (frozen when it was taken)
         found non-finite is restored from its files, or the run stops ([`repair_frozen`]).
         """
+        if self.fallback is not None:  # the caller loaded the checkpoint `to_load` named
+            source, self.fallback = self.fallback, None
+            return source.restore(state)
         snap = self.snapshot
         if not snap.taken:
             raise RuntimeError("No good state to restore: the NaN guard has not taken a snapshot yet.")
@@ -114,6 +133,8 @@ class HostSnapshot:
         with torch.no_grad(), kept_hyperparameters(self.optimizer):
             if self.deepspeed_stage is not None:
                 _restore_deepspeed(self.optimizer, self.deepspeed_stage, snap.deepspeed_state, snap.placements)
+            elif self.replicas is not None:
+                self.replicas.restore(self.model, self.optimizer)
             else:
                 for name, param in self.model.named_parameters():
                     if name in snap.params:
@@ -121,7 +142,8 @@ class HostSnapshot:
                 _restore_optimizer_state(self.optimizer, snap.optimizer_state, snap.placements)
         for key, value in snap.counters.items():
             setattr(state, key, value)
-        repair_frozen(self.model, self.checkpoints, state.global_step, held=snap.params)
+        held = self.replicas.names if self.replicas is not None else snap.params
+        repair_frozen(self.model, self.checkpoints, state.global_step, held=held)
         return snap
 
 
