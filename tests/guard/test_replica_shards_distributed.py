@@ -92,3 +92,16 @@ def test_a_lost_shard_without_a_checkpoint_stops_the_run(tmp_path):
     assert [(e["step"], e["kind"]) for e in events] == [(6, "skip"), (6, "shard_missing"), (6, "abort")]
     assert events[1]["loads"] is None and events[2]["reason"] == "no_good_state"
     assert all(r["outcome"] == "diverged: None" for r in results)
+
+
+def test_the_memory_bench_measures_ddp_ranks():
+    # `bench/guard_memory.py --ddp`: two fresh launches of 2 ranks (guard off, guard on) and a row against S/N.
+    command = [sys.executable, os.path.join(REPO, "bench", "guard_memory.py"), "--ddp", "2", "--steps", "1"]
+    command += ["--seq", "16", "--sizes", "128x2"]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| 2 ")]
+    assert len(rows) == 1, done.stdout[-3000:]
+    share, held = float(rows[0][4]), float(rows[0][5])  # S/N and the snapshot held per rank, in MiB
+    assert share > 0 and abs(held - share) <= 0.1 * share + 0.01, rows

@@ -12,7 +12,9 @@ view of it (`runtime/host_buffers.py`); page-locked when a GPU is used, with non
 training step on the same stream, so taking a snapshot does not stall the step. A restore copies each tensor back
 into the live tensor it replaces, on that tensor's device and in its dtype, so neither needs more than the tensor
 itself. Under DeepSpeed ZeRO and FSDP2 each rank keeps its own shard (for FSDP2, the local shards of its `DTensor`
-parameters and moments: placements never change, so taking and restoring a snapshot needs no collective).
+parameters and moments: placements never change, so taking and restoring a snapshot needs no collective). Under
+DDP, whose ranks hold identical replicas, each rank keeps 1/N of one copy and a restore broadcasts the pieces back
+(`replica_shards.py`; the snapshot's `params` and `optimizer_state` are then empty).
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ class ReplicaShards:
     def take(self, live: dict[str, Any], host: HostBuffers, step: int) -> None:
         """Copy this rank's pieces of `live` (`{"params": {name: tensor}, "optimizer": {index: {key: value}}}`) and
         the 0-dim tensors into `host` (non-blocking from a CUDA device: the caller records an event after it)."""
-        self.step, self.host = -1, host
+        # The previous shard's views go first: a new layout's buffers are then allocated once the old ones are freed.
+        self.step, self.host, self.held, self.optimizer = -1, host, [], {}
         entries = [(("param", n), t) for n, t in live["params"].items()]
         entries += [(("optimizer", i, k), v) for i, slot in live["optimizer"].items() for k, v in slot.items()]
         sharded = [(key, t.detach()) for key, t in entries if torch.is_tensor(t) and t.dim() > 0]
