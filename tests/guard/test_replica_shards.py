@@ -3,15 +3,19 @@
 Every element of every tensor is in exactly one piece, a piece is one contiguous element range of one tensor and at
 most `piece_bytes` long (or one element), each rank holds at most S/N bytes plus one element, and the layout depends
 only on the shapes and dtypes (each rank computes it alone and they must agree). The distributed restore on real
-trainers is tests/guard/test_replica_shards_distributed.py.
+trainers is tests/guard/test_replica_shards_distributed.py; here, one rank's take and restore, piece by piece.
 """
 
 from __future__ import annotations
 
+import pytest
+import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 
-from safe_trainers.guard.rollback.replica_shards import Piece, shard_layout
+from safe_trainers.guard.rollback.replica_shards import Piece, ReplicaShards, shard_layout
+from safe_trainers.runtime.host_buffers import HostBuffers
 
 ELEMENT_SIZES = (1, 2, 4, 8)
 sizes_ = st_.lists(st_.tuples(st_.integers(0, 5000), st_.sampled_from(ELEMENT_SIZES)), min_size=0, max_size=12)
@@ -54,3 +58,51 @@ def test_one_huge_tensor_is_split_across_ranks_and_into_pieces():
 
 def test_one_rank_holds_everything():
     assert shard_layout([(5, 4), (3, 2)], 1) == [Piece(0, 0, 5, 0), Piece(1, 0, 3, 0)]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank in this process (the broadcasts of a restore then copy nothing)."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_restore_recreates_missing_moments_and_drops_extra_ones_piece_by_piece(one_rank_group):
+    # Pieces of 64 bytes: every tensor is cut into several, copied and put back one by one.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[1].bias.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    shards, host = ReplicaShards(0, 1, torch.device("cpu"), piece_bytes=64), HostBuffers()
+    live = {
+        "params": {n: p for n, p in model.named_parameters() if p.requires_grad},
+        # The third parameter had no state yet when the snapshot was taken (a restore must drop its state).
+        "optimizer": {i: dict(optimizer.state[p]) for i, p in enumerate(optimizer.param_groups[0]["params"][:2])},
+    }
+    shards.take(live, host, step=1)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {i: {k: v.clone() for k, v in slot.items()} for i, slot in live["optimizer"].items()}
+    assert host.nbytes() == shards.total_bytes + 4 * len(moments)  # the shards and the 0-dim step counters
+    assert max(p.stop - p.start for p in shards.pieces) == 16  # 64 bytes of fp32
+    # Damage everything and drop the moments of the first parameter (as a fresh optimizer has none).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    params = optimizer.param_groups[0]["params"]
+    optimizer.state.pop(params[0])
+    optimizer.state[params[2]]["exp_avg"].fill_(float("nan"))
+    shards.restore(model, optimizer)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, weights[name]), name
+    for i, p in enumerate(params[:2]):
+        assert set(optimizer.state[p]) == set(moments[i])
+        assert all(torch.equal(optimizer.state[p][k], moments[i][k]) for k in moments[i])
+    assert params[2] not in optimizer.state
+    assert shards.missing() == []
+    shards.drop()
+    assert shards.missing() == [0] and host.nbytes() == 0

@@ -47,19 +47,20 @@ def launch_ddp(ranks: int, tmp_path, *extra: str) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_rollback_restores_the_whole_state_from_shards(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,fault,restored", [(2, 6, 4), (3, 6, 4), (2, 2, 0)])
+def test_rollback_restores_the_whole_state_from_shards(tmp_path, ranks, fault, restored):
     # A NaN weight on rank 0 at step 6: every rank skips it and rolls back to the snapshot of step 4 (one every 2
-    # steps), which each rank holds a third or a half of.
-    results = launch_ddp(ranks, tmp_path, "--fault", "weight:6:0")
+    # steps), which each rank holds a third or a half of. At step 2: back to the snapshot taken when training
+    # started, before the optimizer had any moments (the live ones are dropped).
+    results = launch_ddp(ranks, tmp_path, "--fault", f"weight:{fault}:0")
     events = read_events(os.path.join(str(tmp_path / "out"), "run"))
-    assert [(e["step"], e["kind"]) for e in events] == [(6, "skip"), (6, "rollback")]
-    assert events[1]["restored_step"] == 4
+    assert [(e["step"], e["kind"]) for e in events] == [(fault, "skip"), (fault, "rollback")]
+    assert events[1]["restored_step"] == restored
     for r in results:
         assert r["outcome"] == "finished" and r["finite"] and r["global_step"] == 8
-        # Right after the rollback: bit for bit the weights and AdamW moments of step 4, which an unsharded
-        # restore (an exact copy) gives.
-        assert r["digests"]["6"] == r["digests"]["4"]
+        # Right after the rollback: bit for bit the weights and AdamW moments of the snapshot's step, which an
+        # unsharded restore (an exact copy) gives.
+        assert r["digests"][str(fault)] == r["digests"][str(restored)]
         # This rank's host copy: about 1/N of the state, plus the replicated step counters.
         share = r["state_bytes"] / ranks
         assert share - 8 <= r["host_bytes"] <= share + 8 + STEP_COUNTER_BYTES * 64, (r["host_bytes"], share)

@@ -44,6 +44,9 @@ class ShardProbe(TrainerCallback):
         self.digests: dict[int, dict[str, str]] = {}
         self.host_bytes = self.state_bytes = 0
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.on_step_end(args, state, control)  # step 0: the state the guard's first snapshot holds
+
     def on_step_end(self, args, state, control, **kwargs):
         snapshotter = self.trainer.nan_guard.snapshotter
         weights, moments = state_tensors(self.trainer.model, snapshotter.optimizer)

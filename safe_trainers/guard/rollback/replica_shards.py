@@ -173,6 +173,7 @@ class ReplicaShards:
         newest = max(steps.tolist())
         return [rank for rank, step in enumerate(steps.tolist()) if step < 0 or step != newest]
 
+    @torch.no_grad()
     def restore(self, model: torch.nn.Module, optimizer: Any) -> None:
         """Put the whole snapshot back on every rank (a collective): the optimizer state's layout first (entries the
         snapshot lacks removed, missing tensors recreated), then each piece copied in by its owner and broadcast."""
