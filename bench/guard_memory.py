@@ -17,6 +17,10 @@ bf16. The last columns are what the guard holds beyond that copy, which the boun
 
     python bench/guard_memory.py                         # the default sizes: a few tens of minutes on 2 cores
     python bench/guard_memory.py --sizes 1024x8 --methods lora
+    python bench/guard_memory.py --ddp 2,3 --sizes 1024x8 --steps 2   # DDP on CPU ranks: the snapshot shared out
+
+With `--ddp`, a full fine-tune under DDP on that many CPU ranks (gloo, `accelerate launch`), guard off and on, each
+a fresh launch: the guard's extra peak per rank against S/N, S the snapshot one process holds (`ddp_memory.py`).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     parser.add_argument("--lora-targets", choices=sorted(LORA_TARGETS), default="default")
+    parser.add_argument("--ddp", help="comma-separated rank counts: the DDP mode (full fine-tune, CPU ranks)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a JSON measurement to run in this process
     return parser.parse_args(argv)
 
@@ -83,11 +88,12 @@ def measure_one(spec: dict) -> dict:
     else:
         kwargs["nan_snapshot_steps"] = 1
     cuda = torch.cuda.is_available()
+    ranks = spec.get("ranks", 1)  # the DDP mode: every rank trains its own batches
     trainer = build_trainer(
         "dpo",
         model,
         spec["out"],
-        dataset=dataset(spec["steps"] * spec["batch"], spec["seq"]),
+        dataset=dataset(spec["steps"] * spec["batch"] * ranks, spec["seq"]),
         max_steps=spec["steps"],
         per_device_train_batch_size=spec["batch"],
         logging_steps=1,
@@ -103,6 +109,8 @@ def measure_one(spec: dict) -> dict:
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     guard = getattr(trainer, "nan_guard", None)
     held = snapshot_bytes(guard.snapshotter.snapshot) if guard is not None and guard.snapshotter else 0
+    if ranks > 1:
+        return ddp_result(trainer, peak, model_bytes)
     return {
         "peak": peak,
         "memory": "CUDA max_memory_allocated" if cuda else "peak RSS",
@@ -118,8 +126,13 @@ def measure_one(spec: dict) -> dict:
 def run_child(spec: dict) -> dict:
     """Run [`measure_one`] (or `spec["build"]`) in a fresh Python process; return what it printed."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)]
+    cmd = [*spec.get("launcher", [sys.executable]), os.path.abspath(__file__), "--one", json.dumps(spec)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=HERE)
+    if "results" in spec:  # DDP: a file per rank (their stdout interleaves); a gloo rank may abort at exit after it
+        files = sorted(os.listdir(spec["results"]))
+        if len(files) < spec["ranks"]:
+            raise RuntimeError(f"measurement {spec} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        return {"ranks": [json.load(open(os.path.join(spec["results"], f))) for f in files]}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"measurement {spec} failed:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -135,6 +148,9 @@ def child_main(spec: dict) -> int:
         result = {"model": build_model_dir(spec["root"], hidden, layers, dtype=torch.bfloat16)}
     else:
         result = measure_one(spec)
+    if "results" in spec:
+        with open(os.path.join(spec["results"], f"rank-{result['rank']}.json"), "w") as f:
+            json.dump(result, f)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
@@ -204,6 +220,8 @@ def main(argv=None) -> int:
     ns = parse(argv)
     if ns.one:
         return child_main(json.loads(ns.one))
+    if ns.ddp:
+        return ddp_main(ns, run_child)
     from workload import device_name, markdown_table
 
     sizes = {"full": ns.sizes or ns.full_sizes, "lora": ns.sizes or ns.lora_sizes}
@@ -229,4 +247,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
+    from ddp_memory import ddp_main, ddp_result
+
     sys.exit(main())

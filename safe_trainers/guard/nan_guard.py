@@ -108,7 +108,7 @@ class NanGuard:
         if rollback_from == "checkpoint":
             self.snapshotter = CheckpointSource(model, backend, self.events, self.config.output_dir, self.resumed_from)
         else:
-            self.snapshotter = HostSnapshot(model, backend, resumed_from=self.resumed_from)
+            self.snapshotter = HostSnapshot(model, backend, self.resumed_from, self.events, self.config.output_dir)
         self.flags = StepFlags(backend.loss_scaled, self.spikes)
         self.batches.clear()
         self.interval.start(self.config, self.port.state, say=self.events.write)  # said by the main process
@@ -202,7 +202,7 @@ class NanGuard:
         if self.spikes is not None and spike_run_rolled_back(verdict):
             self.spikes.restart()  # warm up again on the run's level (also in the abort's saved state)
         self.refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
-        if self.rollback_from == "checkpoint":  # before the load, which may find no good state left (`abort`)
+        if self.rollback_from == "checkpoint" or getattr(self.snapshotter, "replicas", None):  # a load may find none
             self.record(decision)
         decision.load = self.snapshotter.to_load(self.port.state.global_step)
         return decision

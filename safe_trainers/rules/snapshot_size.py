@@ -9,8 +9,8 @@ A snapshot ([`HostSnapshot`]) holds, in host memory (pinned on GPU machines), wh
   parameters and AdamW's two fp32 moments. The 16-bit weights are not copied (a restore rebuilds them from the fp32
   master).
 
-DDP keeps all of it whole on every rank; ZeRO and FSDP2 shard it over the data-parallel ranks, each rank copying
-only its own shard. The tensors live in one buffer per dtype, sized exactly (`runtime/host_buffers.py`), so these are
+ZeRO and FSDP2 shard it over the data-parallel ranks, each rank copying only its own shard; under DDP, whose ranks
+hold identical replicas, each rank keeps 1/N of one copy (`guard/rollback/replica_shards.py`). The tensors live in one buffer per dtype, sized exactly (`runtime/host_buffers.py`), so these are
 the bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out. Built from a trainer
 (`rules/stages.py::snapshot_facts`), one process and DDP count each trainable parameter in its own dtype
 (`RunShape.trainable_bytes`: a bf16 full fine-tune holds 6 bytes a parameter, not 10).
@@ -38,7 +38,8 @@ class Layout:
     """What one data-parallel strategy puts in a rank's snapshot.
 
     Args:
-        sharded (`bool`): each rank holds `1 / world_size` of the state (ZeRO, FSDP2) instead of all of it (DDP).
+        sharded (`bool`): each rank holds `1 / world_size` of the state (ZeRO, FSDP2: its shard; DDP: its share of
+            the replicas' one copy) instead of all of it (one process).
         model_weights (`bool`): the model's own trainable parameters are copied (everything but ZeRO).
         fp32_master (`bool`): the optimizer's fp32 master copy of the trainable parameters is copied (ZeRO).
     """
@@ -50,7 +51,7 @@ class Layout:
 
 LAYOUTS: dict[str, Layout] = {
     "single": Layout(sharded=False, model_weights=True, fp32_master=False),
-    "ddp": Layout(sharded=False, model_weights=True, fp32_master=False),
+    "ddp": Layout(sharded=True, model_weights=True, fp32_master=False),
     "fsdp2": Layout(sharded=True, model_weights=True, fp32_master=False),
     "zero1": Layout(sharded=True, model_weights=False, fp32_master=True),
     "zero2": Layout(sharded=True, model_weights=False, fp32_master=True),

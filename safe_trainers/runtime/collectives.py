@@ -39,3 +39,12 @@ def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
     value = value.clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value / dist.get_world_size()
+
+
+def gathered(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's `values`, stacked in rank order (an all-gather; `values[None]` in a single process)."""
+    if not distributed():
+        return values[None]
+    parts = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, values.contiguous())
+    return torch.stack(parts)

@@ -89,22 +89,32 @@ class CopyStream:
         Returns:
             The host copy ([`copy_to_host`]) and the CUDA event to wait for before reading it (`None`: read it now).
         """
+        return self.run(value, lambda stream: copy_to_host(value, buffers, stream=stream), zero_stage)
+
+    def run(self, value: Any, copies: Callable[[Any], T], zero_stage: int | None = None) -> tuple[T, Any]:
+        """Run `copies(stream)`, which copies tensors of `value` to pinned host memory with [`queue_host_copy`] (a
+        DDP rank's share of them, `replica_shards.py`), on the [`copy_route`] of `value`'s tensors: `stream` is the
+        side stream to make current and pass on to [`queue_host_copy`], or `None` (the current stream).
+
+        Returns:
+            What `copies` returns and the CUDA event to wait for before reading the copies (`None`: read them now).
+        """
         devices = {local(t).device for t in tensors(value)}
         route = copy_route(devices, zero_stage)
         self.route = route
         if route == HOST:
-            return copy_to_host(value, buffers), None
+            return copies(None), None
         if route == TRAINING:
             self.before_write()  # a side-stream copy into the same buffers, if any, lands first
             start = _timing_event(torch.cuda.current_stream())
-            held = copy_to_host(value, buffers)
+            held = copies(None)
             ready = _timing_event(torch.cuda.current_stream())
             self.timings.append((start, ready))
             return held, ready
         device = next(d for d in devices if d.type == "cuda")
         side = self._side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))  # the state as of now, not as the training goes on
-        held = copy_to_host(value, buffers, stream=side)
+        held = copies(side)
         ready = torch.cuda.Event()
         ready.record(side)
         self.pending = Pending(ready, device)

@@ -87,7 +87,8 @@ def test_nothing_to_do_without_a_host_copy(trainer, overrides):
     assert RULE.check_built(dataclasses.replace(view, args=args, host_memory_available=1)) is None
 
 
-def test_a_typical_full_fine_tune_under_ddp_does_not_fit_on_a_typical_node():
-    # 7B full fine-tune on 8 GPUs of one node under DDP: each rank copies everything.
+def test_a_typical_full_fine_tune_under_ddp_holds_one_copy_per_node():
+    # 7B full fine-tune on 8 GPUs of one node under DDP: the ranks share one copy out (78 GiB a node, not 626), so it
+    # fits in half of a 256 GiB node and keeps its host copy.
     need = per_node_bytes(RunShape("7B full", 7_000_000_000, 7_000_000_000, "ddp", world_size=8))
-    assert need / GIB > 600
+    assert 78 < need / GIB < 79 and need <= HOST_MEMORY_SHARE * 256 * GIB

@@ -22,13 +22,15 @@ LORA7_STATE = 12 * LORA7  # the adapters' fp32 weights and two fp32 moments; the
 @pytest.mark.parametrize(
     "run,rank_bytes,node_bytes",
     [
-        # DDP, full fine-tune: fp32 weights and two fp32 moments, whole on every rank; 8 ranks on each node.
-        (RunShape("", B7, B7, "ddp", world_size=64), 12 * B7, 8 * 12 * B7),
+        # DDP, full fine-tune: fp32 weights and two fp32 moments, one copy shared out over the ranks (each keeps
+        # 1/N); 8 ranks on each node hold an eighth of it.
+        (RunShape("", B7, B7, "ddp", world_size=64), 12 * B7 // 64, 12 * B7 // 8),
+        (RunShape("", B7, B7, "ddp", world_size=8), 12 * B7 // 8, 12 * B7),
         # FSDP2 and ZeRO-3 shard the same 12 bytes per parameter (ZeRO: master + moments, no 16-bit weights).
         (RunShape("", B7, B7, "fsdp2", world_size=8), 12 * B7 // 8, 12 * B7),
         (RunShape("", B7, B7, "zero3", world_size=64), 12 * B7 // 64, 12 * B7 // 8),
         # LoRA: the adapters' state only, whatever the strategy (ZeRO's fp32 master stands in for the weights).
-        (RunShape("", B7, LORA7, "ddp", world_size=8), LORA7_STATE, 8 * LORA7_STATE),
+        (RunShape("", B7, LORA7, "ddp", world_size=8), LORA7_STATE // 8, LORA7_STATE),
         (RunShape("", B7, LORA7, "fsdp2", world_size=8), LORA7_STATE // 8, LORA7_STATE),
         (RunShape("", B7, LORA7, "zero3", world_size=8), 12 * LORA7 // 8, 12 * LORA7),
         # One GPU; a full fine-tune loaded in bf16 keeps bf16 weights and moments.

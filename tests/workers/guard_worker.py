@@ -59,6 +59,8 @@ def parse(argv=None):
     parser.add_argument("--learning_rate", type=float, default=None, help="(default: the preset's)")
     parser.add_argument("--snapshot_budget", type=float, default=None, help="`nan_snapshot_budget` (default: preset)")
     parser.add_argument("--snapshot_steps", type=int, default=0, help="`nan_snapshot_steps` (0: preset's; -1: unset)")
+    parser.add_argument("--probe", action="store_true", help="record state digests and snapshot bytes (shard_probe)")
+    parser.add_argument("--drop_shard", default=None, help="STEP:RANK: that rank drops its snapshot shard then")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
 
@@ -128,6 +130,13 @@ def main(argv=None) -> int:
         **({"nan_snapshot_steps": ns.snapshot_steps if ns.snapshot_steps > 0 else None} if ns.snapshot_steps else {}),
     )
     injector = trainer.fault_injector
+    probe = None
+    if ns.probe or ns.drop_shard:
+        from shard_probe import ShardProbe
+
+        drop = [int(v) for v in ns.drop_shard.split(":")] if ns.drop_shard else [None, None]
+        probe = ShardProbe(trainer, *drop)
+        trainer.add_callback(probe)
     outcome = "finished"
     try:
         trainer.train(resume_from_checkpoint=True if ns.resume == "true" else ns.resume)
@@ -160,6 +169,8 @@ def main(argv=None) -> int:
         "intervals": [e.detail for e in trainer.nan_guard.events.events if e.kind == "snapshot_interval"],
         "checksum": float(sum(p.detach().double().sum() for p in params if p.numel() > 0)),
     }
+    if probe is not None:
+        result.update(digests=probe.digests, host_bytes=probe.host_bytes, state_bytes=probe.state_bytes)
     write_result(ns.out, result)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()  # destroys the process group before the interpreter exits

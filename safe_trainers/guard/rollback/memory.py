@@ -14,7 +14,9 @@ optimizer step, through [`HostSnapshot.before_write`]) waits for them on the dev
 the host. Under DeepSpeed ZeRO they queue behind the step on the training stream. A restore copies each tensor back
 into the live tensor it replaces, on that tensor's device and in its dtype, so neither needs more than the tensor
 itself. Under DeepSpeed ZeRO and FSDP2 each rank keeps its own shard (for FSDP2, the local shards of its `DTensor`
-parameters and moments: placements never change, so taking and restoring a snapshot needs no collective).
+parameters and moments: placements never change, so taking and restoring a snapshot needs no collective). Under
+DDP, whose ranks hold identical replicas, each rank keeps 1/N of one copy and a restore broadcasts the pieces back
+(`replica_shards.py`; the snapshot's `params` and `optimizer_state` are then empty).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from ...runtime.copy_stream import CopyStream
 from ...runtime.host_buffers import HostBuffers
 from ...runtime.sharding import is_sharded, like, local, reshard
 from ..backends import Backend
+from .checkpoint import CheckpointSource
 from .frozen import repair_frozen
+from .replica_shards import replica_shards, shard_fallback
 from .source import Snapshot, best_model_fields, kept_hyperparameters
 
 
@@ -41,6 +45,9 @@ class HostSnapshot:
             DeepSpeed ZeRO optimizer, and the ZeRO stage.
         resumed_from (`str | None`): the checkpoint `train()` resumed from, if any: with the checkpoints this run
             publishes, where a damaged frozen parameter may be restored from.
+        events ([`EventLog`], *optional*): the run's event log, and `output_dir` (`str`, *optional*) where the run
+            publishes: under DDP, where a rollback that finds a rank without its shard says so and looks for the
+            checkpoint it loads instead (`replica_shards.py`).
     """
 
     def __init__(
@@ -48,6 +55,8 @@ class HostSnapshot:
         model: torch.nn.Module,
         backend: Backend,
         resumed_from: str | None = None,
+        events: Any = None,
+        output_dir: str | None = None,
     ):
         self.model = model
         self.backend = backend
@@ -56,6 +65,9 @@ class HostSnapshot:
         self.host = HostBuffers()
         self.copies = CopyStream()
         self.checkpoints: list[str] = [resumed_from] if resumed_from else []
+        self.events, self.output_dir = events, output_dir
+        self.replicas = replica_shards(model, backend)  # DDP: this rank keeps 1/N of the snapshot
+        self.fallback: CheckpointSource | None = None  # a DDP rank lost its shard: the rollback loads from disk
 
     # -- taking -------------------------------------------------------------------------------------------------
     def take(self, state: Any) -> Snapshot:
@@ -75,8 +87,12 @@ class HostSnapshot:
                 "optimizer": _optimizer_state(self.optimizer),
             }
             snap.placements = _placements(live["optimizer"])
-            held, snap.ready = self.copies.copy(live, self.host)
-            snap.params, snap.optimizer_state = held["params"], held["optimizer"]
+            if self.replicas is not None:
+                step = state.global_step
+                _, snap.ready = self.copies.run(live, lambda stream: self.replicas.take(live, self.host, step, stream))
+            else:
+                held, snap.ready = self.copies.copy(live, self.host)
+                snap.params, snap.optimizer_state = held["params"], held["optimizer"]
         snap.counters = best_model_fields(state)
         snap.step = state.global_step
         return snap
@@ -101,9 +117,12 @@ class HostSnapshot:
         """Never: the host copy is the good state."""
         return False
 
-    def to_load(self, step: int) -> None:
-        """Nothing for the caller to load: [`restore`] copies the host snapshot back."""
-        return None
+    def to_load(self, step: int) -> str | None:
+        """Nothing for the caller to load: [`restore`] copies the host snapshot back; unless it is sharded over DDP
+        ranks and one lost its shard: then the newest verified checkpoint ([`shard_fallback`], a collective; with
+        none, the run stops, as a disk rollback with no good state does)."""
+        self.fallback = shard_fallback(self, step) if self.replicas is not None else None
+        return self.fallback.to_load(step) if self.fallback is not None else None
 
     def refresh_best_fields(self, state: Any) -> None:
         """Record the best-model fields as they are now, for the weights already in the snapshot."""
@@ -117,6 +136,9 @@ class HostSnapshot:
         position, which a rollback does not rewind. A parameter the snapshot does not hold (frozen when it was taken)
         found non-finite is restored from its files, or the run stops ([`repair_frozen`]).
         """
+        if self.fallback is not None:  # the caller loaded the checkpoint `to_load` named
+            source, self.fallback = self.fallback, None
+            return source.restore(state)
         snap = self.snapshot
         if not snap.taken:
             raise RuntimeError("No good state to restore: the NaN guard has not taken a snapshot yet.")
@@ -126,6 +148,8 @@ class HostSnapshot:
         with torch.no_grad(), kept_hyperparameters(self.optimizer):
             if self.deepspeed_stage is not None:
                 _restore_deepspeed(self.optimizer, self.deepspeed_stage, snap.deepspeed_state, snap.placements)
+            elif self.replicas is not None:
+                self.replicas.restore(self.model, self.optimizer)
             else:
                 for name, param in self.model.named_parameters():
                     if name in snap.params:
@@ -133,7 +157,8 @@ class HostSnapshot:
                 _restore_optimizer_state(self.optimizer, snap.optimizer_state, snap.placements)
         for key, value in snap.counters.items():
             setattr(state, key, value)
-        repair_frozen(self.model, self.checkpoints, state.global_step, held=snap.params)
+        held = self.replicas.names if self.replicas is not None else snap.params
+        repair_frozen(self.model, self.checkpoints, state.global_step, held=held)
         return snap
 
 
