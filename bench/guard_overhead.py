@@ -31,12 +31,14 @@ import shutil
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
 from whole_run import Comparison, headline_rows, interleave, run_shape, step_clock_note
 from workload import (
+    chosen_intervals,
+    last_interval,
     WORKLOADS,
     GuardMemoryProbe,
     StepTimer,
@@ -67,7 +69,10 @@ def parse(argv=None, **defaults) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=None, help="the model's vocabulary (default: the workload's)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved (stock, safe) pairs")
-    parser.add_argument("--snapshot-steps", type=int, default=10, help="`nan_snapshot_steps` of the guarded runs")
+    parser.add_argument(
+        "--snapshot-steps", type=int, default=None,
+        help="`nan_snapshot_steps` of the guarded runs (default: unset, the guard's default: the interval adapts)",
+    )  # fmt: skip
     parser.add_argument("--logging-steps", type=int, default=5, help="`logging_steps` of every run")
     parser.add_argument("--save-steps", type=int, default=None, help="`save_steps` (default: --steps; 0: no save)")
     parser.add_argument("--optims", default="adamw_torch_fused,adamw_torch", help="comma-separated `optim` values")
@@ -112,6 +117,7 @@ class Measurement:
     device_flag_bytes: int
     device_extra: float | None  # peak device memory, safe - stock (GPU only)
     spike_factor: float = 0.0  # the guarded runs' `nan_spike_factor`
+    intervals: list[list[int]] = field(default_factory=list)  # each safe run's snapshot intervals, as chosen
 
 
 def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measurement:
@@ -141,6 +147,7 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
             snapshot_times.extend(taken)
             restore_times.extend(restored)
             held = trainer.nan_guard.snapshotter.snapshot
+            seen.setdefault("intervals", []).append(chosen_intervals(trainer.nan_guard))
             seen.update(
                 held_bytes=snapshot_bytes(held), held_pinned=pinned_bytes(held),
                 params=sum(p.numel() for p in trainer.model.parameters()),
@@ -173,6 +180,7 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
         device_flag_bytes=seen["flag_bytes"],
         device_extra=extra,
         spike_factor=seen["spike_factor"],
+        intervals=seen["intervals"],
     )
 
 
@@ -182,9 +190,9 @@ HEADER = ["measure", "stock TRL", "safe_trainers", "safe / stock"]
 def rows(m: Measurement) -> list[tuple[str, str, str, str]]:
     """The table's rows: the whole-run headline and the per-step median (`whole_run.headline_rows`), then the
     snapshot's and rollback's times as fractions of a stock step."""
-    every, stock = m.ns.snapshot_steps, m.runs.median_step("stock")
+    every, stock = last_interval(m.intervals, m.ns.snapshot_steps), m.runs.median_step("stock")
     return headline_rows(m.runs) + [
-        (f"check + snapshot (every {every} steps)", "", f"{m.snapshot * 1e3:.1f} ms", f"{m.snapshot / stock:.3f} step"),
+        (f"check + snapshot (interval {every} steps)", "", f"{m.snapshot * 1e3:.1f} ms", f"{m.snapshot / stock:.3f} step"),
         ("snapshot, amortised per step", "", f"{m.snapshot / every * 1e3:.2f} ms", f"{m.snapshot / every / stock:.4f}"),
         ("rollback (restore the snapshot)", "", f"{m.restore * 1e3:.1f} ms", f"{m.restore / stock:.3f} step"),
     ]
@@ -195,6 +203,7 @@ def report(m: Measurement) -> None:
     print(f"\n{ns.workload}: DPO, Qwen2-style model with {m.params / 1e6:.1f}M parameters, batch {ns.batch}, "
           f"~{ns.seq} tokens, {device_name()}, optim={m.optim}, nan_spike_factor={m.spike_factor}")
     shape = run_shape(ns.steps, ns.logging_steps, ns.save_steps, ns.snapshot_steps)
+    print(f"snapshot intervals the guard chose, per safe run: {m.intervals}")
     print(
         f"{ns.rounds} interleaved rounds of one whole `train()` call each ({shape}); headline: the summed whole-run "
         f"times, safe / stock (per round: {', '.join(f'{r:.3f}' for r in runs.round_ratios)}); "

@@ -61,10 +61,11 @@ def interleave(rounds: int, run: Callable[[str, int], tuple[float, list[float]]]
     return found
 
 
-def run_shape(steps: int, logging_steps: int, save_steps: int, snapshot_steps: int) -> str:
+def run_shape(steps: int, logging_steps: int, save_steps: int, snapshot_steps: int | None) -> str:
     """The caption's description of what one run does."""
     saves = f"a checkpoint every {save_steps} steps" if save_steps else "no checkpoint"
-    return f"{steps} steps, logging every {logging_steps}, {saves}, a guard snapshot every {snapshot_steps}"
+    snapshots = f"at least {snapshot_steps} steps apart" if snapshot_steps else "`nan_snapshot_steps` unset"
+    return f"{steps} steps, logging every {logging_steps}, {saves}, guard snapshots adaptive ({snapshots})"
 
 
 def step_clock_note(gpu: bool) -> str:

@@ -226,8 +226,19 @@ def time_snapshot(
     return taken, restored
 
 
+def chosen_intervals(guard) -> list[int]:
+    """The snapshot intervals `guard` chose in its run, in order (its `snapshot_interval` events)."""
+    return [event.detail["interval"] for event in guard.events.events if event.kind == "snapshot_interval"]
+
+
+def last_interval(chosen: list[list[int]], configured: int | None) -> int:
+    """The interval the last safe run ended with (else the configured one, else the guard's default of 10)."""
+    ends = [run[-1] for run in chosen if run]
+    return ends[-1] if ends else configured or 10
+
+
 def make_trainer(
-    kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int, optim: str,
+    kind: str, model_dir: str, out: str, data: Dataset, steps: int, batch: int, snapshot_steps: int | None, optim: str,
     logging_steps: int = 10, save_steps: int = 0, **safe_config,
 ):  # fmt: skip
     # The `"quick"` preset (lr 1e-5), scaled up; the stock run has no guard, so no `nan_snapshot_steps`.
@@ -235,7 +246,7 @@ def make_trainer(
     # `nan_spike_factor`).
     own = dict(trainer_cls=trl.DPOTrainer, config_cls=trl.DPOConfig) if kind == "stock" else {}
     if kind == "safe":
-        own.update(nan_snapshot_steps=snapshot_steps, **safe_config)
+        own.update(nan_snapshot_steps=snapshot_steps or None, **safe_config)  # 0/None: unset, the interval adapts
     saves = dict(save_strategy="steps", save_steps=save_steps) if save_steps else dict(save_strategy="no")
     return build_trainer(
         "dpo",

@@ -43,19 +43,23 @@ class NanGuardCallback(TrainerCallback):
         self.trainer.safe_run.guard.after_update(optimizer if optimizer is not None else self.trainer.optimizer)
 
     def on_step_end(self, args, state, control, **kwargs: Any):
-        self._at_boundary(control)
+        self._at_boundary(control, state)
 
     def on_epoch_end(self, args, state, control, **kwargs: Any):
-        self._at_boundary(control)
+        self._at_boundary(control, state)
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         inspection.inspect(self.trainer)
 
-    def _at_boundary(self, control: Any) -> None:
+    def _at_boundary(self, control: Any, state: Any) -> None:
         run = self.trainer.safe_run
-        due = due_unless_settled(run.guard, control) if run.callbacks_read_only else run.guard.due(control)
+        last = state.global_step >= state.max_steps
+        due = due_unless_settled(run.guard, control, last) if run.callbacks_read_only else run.guard.due(control)
         if due is not None:
             verify, snapshot = due
+            # The last step's state is verified, not copied, when nothing after it can change it (`read_only.py`):
+            # no step is left to roll back from.
+            snapshot = snapshot and not (last and run.callbacks_read_only)
             inspection.inspect(self.trainer, verify=verify, snapshot=snapshot)
 
 
