@@ -1,8 +1,8 @@
 """Benchmark: what the NaN guard adds to a run's peak memory, full fine-tune and LoRA, as the model grows.
 
 For each model size (Qwen2-style, built from a config, stored and loaded in bf16) and each method (a full fine-tune;
-LoRA rank 16 on `q_proj` and `v_proj`, PEFT's default for this architecture, the base frozen), it trains the DPO workload of
-`workload.py` three ways, each in a fresh process, so that one run's peak is not another's: stock TRL
+LoRA rank 16 on `q_proj` and `v_proj`, PEFT's default for this architecture, the base frozen), it trains the DPO
+workload of `workload.py` three ways, each in a fresh process, so that one run's peak is not another's: stock TRL
 (`trl.DPOTrainer`), `safe_trainers.DPOTrainer` with the guard off (`nan_guard=False`: the rules alone), and with the
 guard on, taking a snapshot after every step (`nan_snapshot_steps=1`, the most often; every snapshot is preceded by
 the full finiteness check). The peak is the process's peak resident memory (`ru_maxrss`) on the CPU, and

@@ -11,11 +11,11 @@ ratio is beside it (it drops the steps that carry a snapshot or a save).
 Times are the process's CPU time on one torch thread by default: on a shared machine, other processes' load inflates
 wall time far more than the work this process does (`--clock wall --threads 2` for wall time).
 
-Prints a markdown table. What it should show: the guard's per-step cost stays flat, a few ms whatever the size, so
-the per-step median ratio tends to 1; the snapshot's cost grows linearly with the state it copies (about constant ms
-per MB), and with it the whole-run ratio wherever the step does not grow as fast as the state. The last column is `safe_trainers.rules.snapshot_size`'s estimate of the snapshot (fp32 weights
-and two fp32 AdamW moments, 12 bytes per parameter), next to what the snapshot really holds (which adds AdamW's step
-counters).
+Prints a markdown table. What it should show: the guard's per-step cost stays flat, a few ms whatever the size, so the
+per-step median ratio tends to 1; the snapshot's cost grows linearly with the state it copies (about constant ms per
+MB), and with it the whole-run ratio wherever the step does not grow as fast as the state. The last column is
+`safe_trainers.rules.snapshot_size`'s estimate of the snapshot (fp32 weights and two fp32 AdamW moments, 12 bytes per
+parameter), next to what the snapshot really holds (which adds AdamW's step counters).
 
     python bench/guard_scaling.py                      # a few minutes on 2 cores
     python bench/guard_scaling.py --sizes 128x4,512x6 --steps 8

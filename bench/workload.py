@@ -112,8 +112,9 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     # Compute-bound on a CPU: the state (13 MB with AdamW) is small next to a ~100 ms step.
     "dpo": Workload(hidden=128, layers=4, seq=128, batch=4),
-    # Memory-bound: a 64k-token vocabulary (two 16.8M-parameter embeddings, 35.5M parameters, ~430 MB of state with AdamW), batch 1,
-    # ~16 tokens: the optimizer step and the snapshot's copies weigh as much next to the compute as on a GPU.
+    # Memory-bound: a 64k-token vocabulary (two 16.8M-parameter embeddings, 35.5M parameters, ~430 MB of state with
+    # AdamW), batch 1, ~16 tokens: the optimizer step and the snapshot's copies weigh as much next to the compute as on
+    # a GPU.
     "memory-bound": Workload(hidden=256, layers=2, seq=16, batch=1, vocab=65536),
 }
 

@@ -24,9 +24,9 @@ class SnapshotFits(Rule):
 
     Why:
         a full fine-tune keeps weights plus two Adam moments per trainable parameter, about 84 GB of host memory
-        per node for a 7B model (the state per parameter: [ZeRO, section 3.1](https://arxiv.org/abs/1910.02054)):
-        one copy per node under DDP (its ranks share it out), less under ZeRO and FSDP2 over several nodes. A process killed by the out-of-memory killer loses
-        more than a NaN would (docs/guard.md, "Memory").
+        per node for a 7B model (the state per parameter: [ZeRO, section 3.1](https://arxiv.org/abs/1910.02054)): one
+        copy per node under DDP (its ranks share it out), less under ZeRO and FSDP2 over several nodes. A process
+        killed by the out-of-memory killer loses more than a NaN would (docs/guard.md, "Memory").
 
     Opt out:
         `safety_disable_rules=["memory.snapshot_fits"]` keeps the host copy; `nan_rollback_from="checkpoint"` chooses

@@ -9,9 +9,10 @@ A snapshot ([`HostSnapshot`]) holds, in host memory (pinned on GPU machines), wh
   parameters and AdamW's two fp32 moments. The 16-bit weights are not copied (a restore rebuilds them from the fp32
   master).
 
-ZeRO and FSDP2 shard it over the data-parallel ranks, each rank copying only its own shard; under DDP, whose ranks
-hold identical replicas, each rank keeps 1/N of one copy (`guard/rollback/replica_shards.py`). The tensors live in one buffer per dtype, sized exactly (`runtime/host_buffers.py`), so these are
-the bytes held, pinned ones included. Step counters (4 bytes per parameter tensor) are left out. Built from a trainer
+ZeRO and FSDP2 shard it over the data-parallel ranks, each rank copying only its own shard; under DDP, whose ranks hold
+identical replicas, each rank keeps 1/N of one copy (`guard/rollback/replica_shards.py`). The tensors live in one
+buffer per dtype, sized exactly (`runtime/host_buffers.py`), so these are the bytes held, pinned ones included. Step
+counters (4 bytes per parameter tensor) are left out. Built from a trainer
 (`rules/stages.py::snapshot_facts`), one process and DDP count each trainable parameter in its own dtype
 (`RunShape.trainable_bytes`: a bf16 full fine-tune holds 6 bytes a parameter, not 10).
 

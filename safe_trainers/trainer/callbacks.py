@@ -18,9 +18,9 @@ from .read_only import due_unless_settled
 
 class NanGuardCallback(TrainerCallback):
     """Takes the first snapshot at train start, hands the skip flag to the optimizer before each step (and takes it
-    back after it; the step waits for a snapshot's copies still in flight, on the device), and inspects the recent steps (skip, roll back, snapshot) at the end of each step and epoch, after
-    the Trainer's flow callback decided whether this step logs, evaluates, saves or ends training, and before it does
-    any of them.
+    back after it; the step waits for a snapshot's copies still in flight, on the device), and inspects the recent
+    steps (skip, roll back, snapshot) at the end of each step and epoch, after the Trainer's flow callback decided
+    whether this step logs, evaluates, saves or ends training, and before it does any of them.
 
     Args:
         trainer: the safe trainer whose run's guard this drives (`trainer.safe_run`).

@@ -5,7 +5,8 @@ Callback order, right after transformers' flow callback (which decides whether a
 before every other callback (TRL's reference-model sync, the reporting integrations, the user's), highest `priority`
 first (each callback declares its own):
 
-* 50 [`HookCheckCallback`] (`hooks_ran.py`): first of all, the upstream hooks the guard depends on ran, or the run stops;
+* 50 [`HookCheckCallback`] (`hooks_ran.py`): first of all, the upstream hooks the guard depends on ran, or the run
+  stops;
 * 40 [`PreemptionCallback`]: decides at `on_step_end` whether this step is the one every rank stops at, and asks it
   to save, before the guard verifies;
 * 30 [`StepProgressCallback`]: a step is over (for the step record) before the guard inspects, snapshots or rolls

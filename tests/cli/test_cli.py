@@ -87,7 +87,8 @@ def test_check_trains_nothing_and_says_which_hardware_it_assumed(toy_models, tmp
 def test_check_for_a_gpu_without_bf16(toy_models, tmp_path, capsys):
     # on a V100 an fp16 Gemma-2 run must go to fp32, not to bf16 (this machine's CPU has bf16; the V100 has not)
     config = write(tmp_path, f"output_dir: {tmp_path / 'out'}\nfp16: true\nlogging_nan_inf_filter: false\n")
-    argv = ["check", "--trainer", "dpo", "--config", config, "--model", toy_models["gemma2"], "--target-hardware", "V100"]
+    argv = ["check", "--trainer", "dpo", "--config", config, "--model", toy_models["gemma2"]]
+    argv += ["--target-hardware", "V100"]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "hardware assumed: NVIDIA V100 (bf16: no" in out

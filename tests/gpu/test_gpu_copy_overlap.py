@@ -11,7 +11,6 @@ import random
 import statistics
 import types
 
-import pytest
 import torch
 from transformers import TrainerCallback
 

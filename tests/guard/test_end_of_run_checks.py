@@ -1,9 +1,9 @@
 """The last step is checked and snapshotted once (issue 30, item 1): when `max_steps` is a multiple of
 `nan_snapshot_steps`, the step's own boundary (`on_step_end`) and the epoch's end (`on_epoch_end`) fall on the same
 step, a save there verified the state afresh, and `train()` checked it once more when it returned. With only
-callbacks that cannot change the state (transformers' flow and printer, the run's own), the state verified at the
-last step is the state `train()` returns: one check there and no copy (no step is left to roll back), none after. A callback that can change
-the state keeps every check (`test_damage_after_the_last_check.py`)."""
+callbacks that cannot change the state (transformers' flow and printer, the run's own), the state verified at the last
+step is the state `train()` returns: one check there and no copy (no step is left to roll back), none after. A callback
+that can change the state keeps every check (`test_damage_after_the_last_check.py`)."""
 
 from __future__ import annotations
 

@@ -127,5 +127,10 @@ def record_end_restore(
 
 
 __all__ = [
-    "Restored", "follow_learning_rate", "record_end_restore", "restore_last_good", "scale_learning_rate", "undo_backoff",
-]  # fmt: skip
+    "Restored",
+    "follow_learning_rate",
+    "record_end_restore",
+    "restore_last_good",
+    "scale_learning_rate",
+    "undo_backoff",
+]
