@@ -97,7 +97,7 @@ def test_a_lost_shard_without_a_checkpoint_stops_the_run(tmp_path):
 
 def test_the_memory_bench_measures_ddp_ranks():
     # `bench/guard_memory.py --ddp`: two fresh launches of 2 ranks (guard off, guard on) and a row against S/N.
-    command = [sys.executable, os.path.join(REPO, "bench", "guard_memory.py"), "--ddp", "2", "--steps", "1"]
+    command = [sys.executable, os.path.join(REPO, "bench", "guard_memory.py"), "--ddp", "2", "--steps", "2"]
     command += ["--seq", "16", "--sizes", "128x2"]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
