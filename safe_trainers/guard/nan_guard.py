@@ -281,9 +281,7 @@ class NanGuard:
         (the disk source's first good state)."""
         with self.clock.paused(), self.interval.timed():  # a copy of the whole state: not timed with the step
             self.snapshotter.take(self.port.state)
-        source = self.snapshotter
-        delay, allocated = source.copy_delay_seconds(), source.buffers_allocated()
-        self.interval.after_snapshot(self.port.state, delay, self.port, self.events, allocated=allocated)
+        self.interval.after_snapshot(self.port.state, self.snapshotter, self.port, self.events)
         self._refresh_best = True  # after this step's evaluation and save (same weights), at the next boundary
         return self.snapshotter.needs_checkpoint(self.port.state.global_step)
 

@@ -178,15 +178,14 @@ class SnapshotInterval:
         }  # fmt: skip
         events.add(RunEvent(step, "snapshot_interval", [], [], detail))
 
-    def after_snapshot(
-        self, state: Any, delay: float | None, port: Any, events: EventLog, allocated: bool = False
-    ) -> None:
-        """A snapshot was just taken (`state`: the `TrainerState`; `delay`: its copies' device delay, if known;
-        `allocated`: it allocated its host buffers, a new layout): measure it and, but at the end of training (no
-        interval left to choose) or after a snapshot that allocated its buffers on any rank (a one-time cost of
-        several copies, and on a GPU their page-locking: decided on, it would stretch the next intervals), decide. A
-        collective when the interval adapts (every rank takes its snapshots at the same steps, so every rank calls
-        it; `port.device`)."""
+    def after_snapshot(self, state: Any, source: Any, port: Any, events: EventLog) -> None:
+        """A snapshot was just taken (`state`: the `TrainerState`; `source`: the [`RollbackSource`] that took it, for
+        its copies' device delay and whether it allocated its host buffers): measure it and, but at the end of
+        training (no interval left to choose) or after a snapshot that allocated its buffers on any rank (a one-time
+        cost of several copies, and on a GPU their page-locking: decided on, it would stretch the next intervals),
+        decide. A collective when the interval adapts (every rank takes its snapshots at the same steps, so every
+        rank calls it; `port.device`)."""
+        delay, allocated = source.copy_delay_seconds(), source.buffers_allocated()
         figures = self.taken(state.global_step, delay)
         if figures is None or state.global_step >= state.max_steps:
             return
@@ -196,5 +195,6 @@ class SnapshotInterval:
         if agreed[2]:
             return
         self.decide(state.global_step, (agreed[0], agreed[1]), events)
+
 
 __all__ = ["SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval"]
