@@ -281,7 +281,7 @@ class NanGuard:
         (the disk source's first good state)."""
         with self.clock.paused(), self.interval.timed():  # a copy of the whole state: not timed with the step
             self.snapshotter.take(self.port.state)
-        self.interval.after_snapshot(self.port.state, self.snapshotter.copy_delay_seconds(), self.port, self.events)
+        self.interval.after_snapshot(self.port.state, self.snapshotter, self.port, self.events)
         self._refresh_best = True  # after this step's evaluation and save (same weights), at the next boundary
         return self.snapshotter.needs_checkpoint(self.port.state.global_step)
 

@@ -3,8 +3,9 @@
 By default the interval adapts so that the snapshots take at most `nan_snapshot_budget` (1%) of the run's wall time:
 each snapshot measures its own cost (the host time of its check and copy, plus the device delay its copies add, see
 `RollbackSource.copy_delay_seconds`) and the wall time per step since the previous one (snapshots excluded), every
-rank's largest figure is agreed at the snapshot (where the ranks meet anyway), and [`choose_interval`] turns the
-medians of the last [`HISTORY`] figures into the interval: `ceil(cost / (budget * step_time))`, at least
+rank's largest figure is agreed at the snapshot (where the ranks meet anyway; a snapshot that allocated its host
+buffers on any rank, the first with the optimizer's moments, is a one-time cost and decides nothing), and
+[`choose_interval`] turns the medians of the last [`HISTORY`] figures into the interval: `ceil(cost / (budget * step_time))`, at least
 `nan_snapshot_steps` when set (else 1), at most the checkpoint interval (`save_steps`). Every rank then decides the
 same from the same figures. It grows at once when the budget asks for it, and shrinks only when the figures ask for
 at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not make it swing. `nan_snapshot_budget=0`
@@ -177,16 +178,23 @@ class SnapshotInterval:
         }  # fmt: skip
         events.add(RunEvent(step, "snapshot_interval", [], [], detail))
 
-    def after_snapshot(self, state: Any, delay: float | None, port: Any, events: EventLog) -> None:
-        """A snapshot was just taken (`state`: the `TrainerState`; `delay`: its copies' device delay, if known):
-        measure it and, but at the end of training (no interval left to choose), decide. A collective when the
-        interval adapts (every rank takes its snapshots at the same steps, so every rank calls it; `port.device`)."""
+    def after_snapshot(self, state: Any, source: Any, port: Any, events: EventLog) -> None:
+        """A snapshot was just taken (`state`: the `TrainerState`; `source`: the [`RollbackSource`] that took it, for
+        its copies' device delay and whether it allocated its host buffers): measure it and, but at the end of
+        training (no interval left to choose) or after a snapshot that allocated its buffers on any rank (a one-time
+        cost of several copies, and on a GPU their page-locking: decided on, it would stretch the next intervals),
+        decide. A collective when the interval adapts (every rank takes its snapshots at the same steps, so every
+        rank calls it; `port.device`)."""
+        delay, allocated = source.copy_delay_seconds(), source.buffers_allocated()
         figures = self.taken(state.global_step, delay)
         if figures is None or state.global_step >= state.max_steps:
             return
+        agreed = (*figures, float(allocated))
         if distributed():  # one process: its own figures, with no device round trip
-            figures = tuple(max_across_ranks(torch.tensor(figures, dtype=torch.float64, device=port.device)).tolist())
-        self.decide(state.global_step, (figures[0], figures[1]), events)
+            agreed = tuple(max_across_ranks(torch.tensor(agreed, dtype=torch.float64, device=port.device)).tolist())
+        if agreed[2]:
+            return
+        self.decide(state.global_step, (agreed[0], agreed[1]), events)
 
 
 __all__ = ["SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval"]

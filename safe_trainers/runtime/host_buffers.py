@@ -87,6 +87,7 @@ class HostBuffers:
     def __init__(self):
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.pinned = False
+        self.allocations = 0  # how many times [`views`] allocated (a new layout): a one-time cost, not a copy's
         self._signature: tuple | None = None
         self._views: list[torch.Tensor] = []
         self._unpin = None
@@ -97,6 +98,7 @@ class HostBuffers:
         signature = (pin, *((tuple(shape), dtype) for shape, dtype in specs))
         if signature != self._signature:
             self.release()
+            self.allocations += 1
             sizes, slots = plan(signature[1:])
             self.buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
             if pin:

@@ -124,7 +124,7 @@ def test_no_host_sync_per_step_and_the_fault_is_skipped_on_the_device(toy_models
 def test_the_update_after_a_snapshot_waits_for_its_copies_on_the_device_only(toy_models, tmp_path, monkeypatch):
     # A snapshot every 2 steps: its copies run on a side stream, and the first update after it waits for them
     # (`HostSnapshot.before_write`, watched like the hot path): a device wait, no host synchronisation.
-    trainer = hot_path_trainer(toy_models, tmp_path, nan_snapshot_steps=2)
+    trainer = hot_path_trainer(toy_models, tmp_path, nan_snapshot_steps=2, nan_snapshot_budget=0.0)  # exactly every 2
     watch = watch_guard(trainer, monkeypatch)
     in_flight: list[int] = []
     real_before_write = HostSnapshot.before_write

@@ -106,3 +106,32 @@ def test_a_restore_recreates_missing_moments_and_drops_extra_ones_piece_by_piece
     assert shards.missing() == []
     shards.drop()
     assert shards.missing() == [0] and host.nbytes() == 0
+
+
+def test_a_channels_last_weight_and_its_moments_come_back_piece_by_piece(one_rank_group):
+    # A weight in channels_last memory (`model.to(memory_format=torch.channels_last)`) and AdamW's moments, which keep
+    # its layout: no flat view of their elements in logical order. The pieces follow their memory order instead, and
+    # a moment recreated by the restore gets the same layout.
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    assert not model.weight.is_contiguous()
+    params = optimizer.param_groups[0]["params"]
+    moments = {i: dict(optimizer.state[p]) for i, p in enumerate(params)}
+    live = {"params": dict(model.named_parameters()), "optimizer": moments}
+    shards = ReplicaShards(0, 1, torch.device("cpu"), piece_bytes=64)
+    shards.take(live, HostBuffers(), step=1)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {i: {k: v.clone() for k, v in slot.items()} for i, slot in live["optimizer"].items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    optimizer.state.pop(params[0])  # the weight's moments: recreated by the restore
+    optimizer.state[params[1]]["exp_avg"].fill_(float("nan"))
+    shards.restore(model, optimizer)
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    for i, p in enumerate(params):
+        assert all(torch.equal(optimizer.state[p][k], moments[i][k]) for k in moments[i]), i
+    assert optimizer.state[params[0]]["exp_avg"].stride() == model.weight.stride()

@@ -149,15 +149,16 @@ def run(tmp_path, model, sleep: float = 0.0, faults=(), **config):
 
 
 def test_costly_snapshots_stretch_to_the_checkpoint_interval(toy_models, tmp_path):
-    # A budget no snapshot fits in: the interval goes to its upper bound, `save_steps`, at the first decision; the
-    # flags are still read every `nan_snapshot_steps`, and a rollback goes back to the last snapshot (at most 6 steps).
+    # A budget no snapshot fits in: the interval goes to its upper bound, `save_steps`, at the first decision (step 4:
+    # the snapshot of step 2 allocated the moments' buffers); the flags are still read every `nan_snapshot_steps`, and
+    # a rollback goes back to the last snapshot (at most 6 steps).
     watch, chosen, events = run(
         tmp_path, toy_models["qwen2"], max_steps=20, save_steps=6, nan_snapshot_steps=2, nan_snapshot_budget=1e-6,
         faults=[Fault(step=9, kind="weight")],
     )  # fmt: skip
-    assert [(e["step"], e["previous"], e["interval"], e["lower"], e["upper"]) for e in chosen] == [(2, 2, 6, 2, 6)]
+    assert [(e["step"], e["previous"], e["interval"], e["lower"], e["upper"]) for e in chosen] == [(4, 2, 6, 2, 6)]
     assert chosen[0]["snapshot_seconds"] > 0 and chosen[0]["step_seconds"] > 0 and chosen[0]["budget"] == 1e-6
-    assert watch.snapshots == [0, 2, 6, 12, 18, 20]  # at the start, the first decision, then every 6 (with the saves)
+    assert watch.snapshots == [0, 2, 4, 6, 12, 18, 20]  # the start, the buffers, the first decision, then every 6
     assert max(watch.unread) < 2  # the flag reads kept their cadence
     [rollback] = [e for e in events if e["kind"] == "rollback"]
     assert rollback["restored_step"] == 6
@@ -165,33 +166,34 @@ def test_costly_snapshots_stretch_to_the_checkpoint_interval(toy_models, tmp_pat
 
 def test_slow_steps_keep_the_lower_bound(toy_models, tmp_path):
     # Steps of over 50 ms and a budget of 90%: one snapshot of this tiny model would fit every step, but
-    # `nan_snapshot_steps=3` is the least.
+    # `nan_snapshot_steps=3` is the least (decided at step 6: the snapshot of step 3 allocated its buffers).
     watch, chosen, _ = run(
         tmp_path, toy_models["qwen2"], sleep=0.05, max_steps=9, save_steps=100, nan_snapshot_steps=3,
         nan_snapshot_budget=0.9,
     )  # fmt: skip
-    assert [(e["step"], e["interval"], e["lower"], e["upper"]) for e in chosen] == [(3, 3, 3, 100)]
+    assert [(e["step"], e["interval"], e["lower"], e["upper"]) for e in chosen] == [(6, 3, 3, 100)]
     assert chosen[0]["step_seconds"] >= 0.05  # measured from the real steps, their sleep included
     assert watch.snapshots == [0, 3, 6, 9]
 
 
 def test_the_interval_follows_the_measured_figures(toy_models, tmp_path):
-    # Unset `nan_snapshot_steps`: start at 10, adapt from 1. Whatever this machine measures, the interval is the one
-    # the recorded figures give, and the next snapshots follow it.
+    # Unset `nan_snapshot_steps`: start at 10, adapt from 1 (from step 20: the snapshot of step 10 allocated its
+    # buffers). Whatever this machine measures, the interval is the one the recorded figures give, and the next
+    # snapshots follow it.
     watch, chosen, _ = run(
-        tmp_path, toy_models["qwen2"], sleep=0.02, max_steps=14, save_steps=1000, nan_snapshot_steps=None,
+        tmp_path, toy_models["qwen2"], sleep=0.02, max_steps=24, save_steps=1000, nan_snapshot_steps=None,
         nan_snapshot_budget=0.05,
     )  # fmt: skip
     first = chosen[0]
-    assert (first["step"], first["previous"], first["lower"], first["upper"]) == (10, 10, 1, 1000)
+    assert (first["step"], first["previous"], first["lower"], first["upper"]) == (20, 10, 1, 1000)
     expected = choose_interval(first["snapshot_seconds"], first["step_seconds"], 0.05, 1, 1000)
     assert first["interval"] == next_interval(10, expected)
     assert first["step_seconds"] >= 0.02 and first["snapshot_seconds"] > 0
     assert first["overhead"] <= 0.05
     # Each snapshot re-decides (a change is an event): the interval in force at a step is the last one chosen before it.
-    in_force = {s: [e["interval"] for e in chosen if e["step"] < s][-1] for s in range(11, 14)}
-    following = [s for s in watch.snapshots if 10 < s < 14]
-    assert following == [s for s in range(11, 14) if s % in_force[s] == 0]
+    in_force = {s: [e["interval"] for e in chosen if e["step"] < s][-1] for s in range(21, 24)}
+    following = [s for s in watch.snapshots if 20 < s < 24]
+    assert watch.snapshots[:3] == [0, 10, 20] and following == [s for s in range(21, 24) if s % in_force[s] == 0]
 
 
 def test_budget_zero_keeps_the_fixed_interval(toy_models, tmp_path):
@@ -207,10 +209,23 @@ def test_two_ranks_agree_on_the_interval(tmp_path):
     # interval from the same figures (their inspections and collectives must line up) and train alike.
     from test_guard_distributed import accelerate_ddp, check_in_sync, launch
 
-    extra = ["--max_steps", "12", "--save_steps", "6", "--snapshot_budget", "0.01", "--snapshot_steps", "-1"]
+    # The interval starts at 6 (`save_steps`); the snapshot of step 6 allocates the moments' buffers, so the first
+    # decision is at step 12.
+    extra = ["--max_steps", "14", "--save_steps", "6", "--snapshot_budget", "0.01", "--snapshot_steps", "-1"]
     results = launch(accelerate_ddp(), "dpo", [], tmp_path, *extra)
     check_in_sync(results, 0, 0, tmp_path / "out")
-    assert all(r["global_step"] == 12 for r in results)
+    assert all(r["global_step"] == 14 for r in results)
     ranks = [r["intervals"] for r in results]
     assert ranks[0] and ranks[0] == ranks[1], ranks  # the figures too, not only the intervals
     assert all(1 <= e["interval"] <= 6 and e["upper"] == 6 for e in ranks[0])
+
+
+def test_the_snapshot_that_allocates_its_buffers_is_not_measured(toy_models, tmp_path):
+    # The snapshot at step 2 is the first with AdamW's moments: its host buffers are allocated then (and, on a GPU,
+    # page-locked), a one-time cost of several copies (~3x a copy on this CPU, far more with pinning). Decided on, it
+    # would stretch the interval for the next snapshots: its figures are not used, the first decision is at step 4.
+    watch, chosen, _ = run(
+        tmp_path, toy_models["qwen2"], max_steps=8, save_steps=100, nan_snapshot_steps=2, nan_snapshot_budget=0.9
+    )
+    assert [(e["step"], e["previous"], e["interval"]) for e in chosen] == [(4, 2, 2)]
+    assert watch.snapshots == [0, 2, 4, 6, 8]

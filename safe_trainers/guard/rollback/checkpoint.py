@@ -87,6 +87,10 @@ class CheckpointSource:
         """No copy: the good state is a checkpoint the trainer publishes anyway."""
         return 0.0
 
+    def buffers_allocated(self) -> bool:
+        """Never: no host buffers."""
+        return False
+
     def needs_checkpoint(self, step: int) -> bool:
         """Whether the good state of `step` must be published as a checkpoint: no good checkpoint at or before it
         (a run's first good state, with nothing resumed from)."""

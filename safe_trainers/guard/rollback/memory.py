@@ -68,11 +68,12 @@ class HostSnapshot:
         self.events, self.output_dir = events, output_dir
         self.replicas = replica_shards(model, backend)  # DDP: this rank keeps 1/N of the snapshot
         self.fallback: CheckpointSource | None = None  # a DDP rank lost its shard: the rollback loads from disk
+        self.allocated = False  # the last take allocated its host buffers
 
     # -- taking -------------------------------------------------------------------------------------------------
     def take(self, state: Any) -> Snapshot:
         """Copy the current state into the host buffers (asynchronously on GPU) and return the snapshot."""
-        snap = self.snapshot
+        snap, allocations = self.snapshot, self.host.allocations
         reshard(self.model)
         # Drop the previous copy's views first: when the layout changes (the optimizer's moments appear after its
         # first step) its buffers are then freed before the new ones are allocated, not held alongside them.
@@ -95,6 +96,7 @@ class HostSnapshot:
                 snap.params, snap.optimizer_state = held["params"], held["optimizer"]
         snap.counters = best_model_fields(state)
         snap.step = state.global_step
+        self.allocated = self.host.allocations != allocations
         return snap
 
     def before_write(self) -> None:
@@ -107,6 +109,11 @@ class HostSnapshot:
         ([`CopyStream.delay_seconds`]: the wait at the first write after it, or the copies' own time when they ran on
         the training stream); `0.0` for host copies, `None` before it is known. Never synchronises."""
         return self.copies.delay_seconds()
+
+    def buffers_allocated(self) -> bool:
+        """Whether the last [`take`] allocated its host buffers (a new layout: the first snapshot with the
+        optimizer's moments), and page-locked them on a GPU: a one-time cost the snapshot interval does not measure."""
+        return self.allocated
 
     def published(self, path: str) -> None:
         """The trainer published a verified checkpoint: a source for damaged frozen parameters (the host copy stays

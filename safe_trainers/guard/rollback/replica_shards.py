@@ -87,13 +87,15 @@ def shard_layout(sizes: Sequence[tuple[int, int]], world_size: int, piece_bytes:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a restore needs to find or recreate one live tensor: its shape, dtype and device, and for a 0-dim tensor
-    (kept whole on every rank) its host copy (`None` for a sharded tensor, whose values come with the pieces)."""
+    """What a restore needs to find or recreate one live tensor: its shape, dtype and device, for a 0-dim tensor
+    (kept whole on every rank) its host copy (`None` for a sharded tensor, whose values come with the pieces), and for
+    a sharded one its strides (its pieces follow its memory order, [`_flat`])."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     value: torch.Tensor | None = None
+    stride: tuple[int, ...] | None = None
 
 
 def replica_shards(model: torch.nn.Module, backend: Backend) -> ReplicaShards | None:
@@ -155,7 +157,7 @@ class ReplicaShards:
             copies = [queue_host_copy(view, source, stream) for view, source in pairs]
         self.held = copies[: len(own)]
         self.keys = [key for key, _ in sharded]
-        self.specs = [TensorSpec(tuple(t.shape), t.dtype, t.device) for _, t in sharded]
+        self.specs = [TensorSpec(tuple(t.shape), t.dtype, t.device, stride=t.stride()) for _, t in sharded]
         specs = dict(zip(self.keys, self.specs))
         for (key, t), held in zip(small, copies[len(own) :]):
             specs[key] = TensorSpec((), t.dtype, t.device, held)
@@ -233,7 +235,11 @@ def shard_fallback(snapshot: Any, step: int) -> CheckpointSource | None:
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` as one dimension, sharing its storage (a write into a slice of it writes the tensor)."""
+    """`tensor` as one dimension in its memory order, sharing its storage (a write into a slice of it writes the
+    tensor): a dense tensor in another layout than the contiguous one (channels_last, and the moments that keep it)
+    is first permuted into the order of its strides."""
+    if not tensor.is_contiguous():
+        tensor = tensor.permute(sorted(range(tensor.dim()), key=tensor.stride, reverse=True))
     return tensor.view(-1)
 
 
@@ -242,10 +248,13 @@ def _restored(current: Any, saved: Any) -> Any:
     (a sharded one's values come with the pieces after), a 0-dim one's host copy put back, any other value copied."""
     if not isinstance(saved, TensorSpec):
         return copy.deepcopy(saved)
-    if torch.is_tensor(current) and tuple(current.shape) == saved.shape and current.dtype == saved.dtype:
-        return current if saved.value is None else current.copy_(saved.value, non_blocking=True)
+    same = torch.is_tensor(current) and tuple(current.shape) == saved.shape and current.dtype == saved.dtype
+    if same and saved.value is None and current.stride() == saved.stride:  # the pieces' memory order: the same
+        return current
+    if same and saved.value is not None:
+        return current.copy_(saved.value, non_blocking=True)
     if saved.value is None:
-        return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+        return torch.empty_strided(saved.shape, saved.stride, dtype=saved.dtype, device=saved.device)
     # A copy, never the host view itself (the next snapshot overwrites it), on the device it came from.
     return saved.value.to(saved.device, copy=True)
 
