@@ -62,6 +62,7 @@ def carry_out(trainer: Any, decision: Decision) -> None:
     if not decision.restore:
         return
     if decision.load is not None:
+        before_write(trainer)  # a DDP rank without its shard loads from disk: its side-stream copies land first
         with guard.clock.paused():  # a whole checkpoint from disk
             load_good_checkpoint(trainer, decision.load, guard.backend)
     restored = guard.restore(decision)
@@ -90,6 +91,7 @@ def finish(trainer: Any) -> None:
         if end.best is not None:
             trainer._load_best_model()
         elif end.load is not None:
+            before_write(trainer)
             load_good_checkpoint(trainer, end.load, guard.backend)
     guard.restored_at_end(end)
 

@@ -2,8 +2,8 @@
 
 Hypothesis draws a schedule (NaN loss, Inf gradient, NaN weight the loss sees, NaN weight left by an update that the
 loss does not see; at random steps, 1-3 repeats) and the run's intervals (gradient accumulation, logging, saving,
-evaluation, snapshots), trains a real trainer on CPU, resumes from one of its checkpoints in a fresh directory, and
-checks on every example:
+evaluation, snapshots, fixed or adaptive), trains a real trainer on CPU, resumes from one of its checkpoints in a fresh
+directory, and checks on every example:
 
 * the run ends at `max_steps` (or aborts with a saved, finite last good state);
 * the final model and `save_model`'s output are finite, and so is `train_loss`;
@@ -51,7 +51,10 @@ intervals = st_.fixed_dictionaries(
         "gradient_accumulation_steps": st_.sampled_from([1, 2]),
         "logging_steps": st_.sampled_from([1, 3]),
         "save_steps": st_.sampled_from([2, 3]),
-        "nan_snapshot_steps": st_.sampled_from([2, 3]),
+        "nan_snapshot_steps": st_.sampled_from([2, 3, None]),  # None: unset (10, or adapting from 1)
+        # 0: a fixed interval; 1e-9: no snapshot fits, the interval stretches to `save_steps` once measured; 0.9:
+        # every snapshot fits, it shrinks to the lower bound (every step when unset)
+        "nan_snapshot_budget": st_.sampled_from([0.0, 1e-9, 0.9]),
         "evaluate": st_.booleans(),
     }
 )
