@@ -80,8 +80,9 @@ def parse(argv=None, **defaults) -> argparse.Namespace:
     parser.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall",
         help="`wall`: wall time (the headline's measure); `cpu`: this process's CPU time, for a CPU machine that other "
-        "jobs load (their load inflates wall time far more than this process's own work)",
+        "jobs load (their load inflates wall time far more than this process's own work; with `--threads 1`)",
     )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--spike-factor", type=float, default=None, help="`nan_spike_factor` of the guarded runs")
     parser.set_defaults(**defaults)
     ns = parser.parse_args(argv)
@@ -92,6 +93,8 @@ def parse(argv=None, **defaults) -> argparse.Namespace:
 def main(argv=None, **defaults) -> int:
     parsed = parse(argv, **defaults)
     quiet()
+    if parsed.threads:
+        torch.set_num_threads(parsed.threads)
     root = tempfile.mkdtemp(prefix="guard-bench-")
     try:
         for name in parsed.workloads.split(","):

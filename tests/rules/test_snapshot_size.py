@@ -51,6 +51,7 @@ def test_estimate_matches_a_real_snapshot(lora, toy_models, tmp_path):
     peft = {"peft_config": LoraConfig(target_modules=["q_proj", "v_proj"], r=4)} if lora else {}
     trainer = build_trainer("dpo", toy_models["qwen2"], tmp_path, max_steps=1, trainer_kwargs=peft)
     trainer.train()
+    trainer.nan_guard.take_snapshot()  # one with the moments (the last step is verified, not copied)
     snapshotter = trainer.nan_guard.snapshotter
     snapshot = snapshotter.snapshot
     held = list(snapshot.params.values())
@@ -87,6 +88,7 @@ def test_what_the_rule_reads_is_what_a_bf16_snapshot_holds(lora, toy_models, tmp
     trainer = build_trainer("dpo", model, tmp_path, max_steps=1, bf16=True, trainer_kwargs=peft)
     estimate = snapshot_facts(trainer)["snapshot_bytes_per_node"]
     trainer.train()
+    trainer.nan_guard.take_snapshot()  # one with the moments (the last step is verified, not copied)
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
     if lora is not None:
         assert {p.dtype for p in trainable} == {torch.float32, torch.bfloat16}  # a mixed layout
