@@ -5,11 +5,11 @@ each snapshot measures its own cost (the host time of its check and copy, plus t
 `RollbackSource.copy_delay_seconds`) and the wall time per step since the previous one (snapshots excluded), every
 rank's largest figure is agreed at the snapshot (where the ranks meet anyway; a snapshot that allocated its host
 buffers on any rank, the first with the optimizer's moments, is a one-time cost and decides nothing), and
-[`choose_interval`] turns the medians of the last [`HISTORY`] figures into the interval: `ceil(cost / (budget * step_time))`, at least
-`nan_snapshot_steps` when set (else 1), at most the checkpoint interval (`save_steps`). Every rank then decides the
-same from the same figures. It grows at once when the budget asks for it, and shrinks only when the figures ask for
-at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not make it swing. `nan_snapshot_budget=0`
-keeps a fixed interval: `nan_snapshot_steps` (10 when unset).
+[`choose_interval`] turns the medians of the last [`HISTORY`] figures into the interval: `ceil(cost / (budget *
+step_time))`, at least `nan_snapshot_steps` when set (else 1), at most the checkpoint interval (`save_steps`). Every
+rank then decides the same from the same figures. It grows at once when the budget asks for it, and shrinks only when
+the figures ask for at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not make it swing.
+`nan_snapshot_budget=0` keeps a fixed interval: `nan_snapshot_steps` (10 when unset).
 
 The flag reads (one cheap transfer of the per-step fault flags) keep the short cadence (`nan_snapshot_steps`, else
 10), so skips and their rollbacks come as soon as before; only the check and the copy stretch.
