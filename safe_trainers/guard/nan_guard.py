@@ -202,7 +202,7 @@ class NanGuard:
         if self.spikes is not None and spike_run_rolled_back(verdict):
             self.spikes.restart()  # warm up again on the run's level (also in the abort's saved state)
         self.refresh_best_fields()  # the snapshot's weights go back with the best-model fields of their time
-        if self.rollback_from == "checkpoint" or getattr(self.snapshotter, "replicas", None):  # a load may find none
+        if self.snapshotter.may_load:  # before the load, which may find no good state left (`abort`)
             self.record(decision)
         decision.load = self.snapshotter.to_load(self.port.state.global_step)
         return decision

@@ -46,6 +46,8 @@ class CheckpointSource:
         resumed_from (`str | None`): the checkpoint `train()` resumed from, if any.
     """
 
+    may_load = True  # every rollback loads a checkpoint
+
     def __init__(
         self,
         model: torch.nn.Module,

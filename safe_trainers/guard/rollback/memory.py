@@ -67,6 +67,7 @@ class HostSnapshot:
         self.checkpoints: list[str] = [resumed_from] if resumed_from else []
         self.events, self.output_dir = events, output_dir
         self.replicas = replica_shards(model, backend)  # DDP: this rank keeps 1/N of the snapshot
+        self.may_load = self.replicas is not None  # a DDP rank without its shard loads the newest checkpoint
         self.fallback: CheckpointSource | None = None  # a DDP rank lost its shard: the rollback loads from disk
         self.allocated = False  # the last take allocated its host buffers
 

@@ -54,10 +54,13 @@ class RollbackSource(Protocol):
         backend ([`Backend`]): what the guard bound to when training started (the optimizer, the ZeRO stage).
         checkpoints (`list[str]`): this run's verified checkpoints (and the one it resumed from), oldest first: where a
             damaged parameter that the source does not hold (a frozen one) is restored from.
+        may_load (`bool`): whether a rollback may load a checkpoint, which may find no good state left (an abort):
+            the inspection's events are then recorded before [`to_load`] decides.
     """
 
     backend: Backend
     checkpoints: list[str]
+    may_load: bool
 
     def take(self, state: Any) -> Snapshot:
         """Keep the current weights and optimizer state as the last good state (`state`: the `TrainerState`)."""
