@@ -34,6 +34,8 @@ class StepTimer(TrainerCallback):
     step begin and end (the device's time for the step's queued work, read once after training, [`times`]); on the
     CPU, the host clock, wall time by default (`clock=time.process_time` counts the process's CPU time instead)."""
 
+    leaves_state_alone = True  # it only reads clocks: the guard treats it as it treats the progress bar (read_only.py)
+
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
         self.events = torch.cuda.is_available() and clock is time.perf_counter

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runtime.finite import deepspeed_state_tensors, optimizer_tensors
+from ..runtime.sharding import local
 from .step.skip import unwrap_optimizer
 
 FSDP1_REFUSED = (
@@ -62,4 +63,9 @@ def state_tensors(backend: Backend | None, model: Any) -> list[Any]:
     return list(model.parameters()) + (optimizer_tensors(optimizer) if optimizer is not None else [])
 
 
-__all__ = ["Backend", "backend_problem", "state_tensors", "unwrap_optimizer"]
+def state_bytes(backend: Backend | None, model: Any) -> int:
+    """The bytes of [`state_tensors`] this rank holds (a sharded tensor's local shard)."""
+    return sum(local(t).numel() * local(t).element_size() for t in state_tensors(backend, model))
+
+
+__all__ = ["Backend", "backend_problem", "state_bytes", "state_tensors", "unwrap_optimizer"]

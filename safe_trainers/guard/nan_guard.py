@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from ..runtime.collectives import ranks_with_flag
 from ..runtime.events import EventLog
 from ..runtime.finite import all_finite
 from ..runtime.ports import UNWATCHED, FlagRider, StepClock
-from .backends import Backend, state_tensors, unwrap_optimizer
+from .backends import Backend, state_bytes, state_tensors, unwrap_optimizer
 from .diagnosis import RecentBatches
 from .policy import (
     can_roll_back,
@@ -72,8 +73,7 @@ class NanGuard:
         self.rollback_from: str = settings.nan_rollback_from
         self.snapshotter: RollbackSource | None = None
         self.resumed_from: str | None = None
-        self.verified_step = -1
-        self.damaged_ranks: list[int] = []
+        self.verified_step, self.damaged_ranks = -1, []  # the step known finite; the ranks found damaged
         self.flags, self.deepspeed = StepFlags(), False  # DeepSpeed steps in `backward`, skips non-finite steps itself
         self.interval = SnapshotInterval(settings)  # how many steps apart the snapshots are (it adapts)
         self._consecutive = 0
@@ -111,7 +111,7 @@ class NanGuard:
             self.snapshotter = HostSnapshot(model, backend, self.resumed_from, self.events, self.config.output_dir)
         self.flags = StepFlags(backend.loss_scaled, self.spikes)
         self.batches.clear()
-        self.interval.start(self.config, self.port.state, say=self.events.write)  # said by the main process
+        self.interval.start(self.config, self.port.state, self.events.write, partial(state_bytes, backend, model))
         if not self.state_is_finite():
             raise ValueError(nonfinite_start_message(self.damaged_ranks))
         return self.take_snapshot()
@@ -157,14 +157,14 @@ class NanGuard:
         self.verified_step = -1  # callbacks after the guard's may have changed the state since it was last verified
         self.refresh_best_fields()
         step, pending = self.port.state.global_step, len(self.flags.pending)
+        self.interval.estimate(step, self.snapshotter, self.port, self.events)  # before a second snapshot
         return inspection_due(control, step, self.config, self.interval.steps, pending, self.interval.read_steps)
 
     # ------------------------------------------------------------------ inspection
     def judge(self, verify: bool = False, snapshot: bool = False, fresh: bool = False) -> Judged | None:
         """Read the pending flags and judge them (checking the state when a step was bad, or `verify`); `fresh`: do
         not trust an earlier verification of this step. `None` when there is nothing to judge."""
-        if fresh:
-            self.verified_step = -1
+        self.verified_step = -1 if fresh else self.verified_step
         if not self.flags.pending and not verify:
             return None
         records = self.flags.read()

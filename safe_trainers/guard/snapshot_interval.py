@@ -2,14 +2,16 @@
 
 By default the interval adapts so that the snapshots take at most `nan_snapshot_budget` (1%) of the run's wall time:
 each snapshot measures its own cost (the host time of its check and copy, plus the device delay its copies add, see
-`RollbackSource.copy_delay_seconds`) and the wall time per step since the previous one (snapshots excluded), every
-rank's largest figure is agreed at the snapshot (where the ranks meet anyway; a snapshot that allocated its host
-buffers on any rank, the first with the optimizer's moments, is a one-time cost and decides nothing), and
-[`choose_interval`] turns the medians of the last [`HISTORY`] figures into the interval: `ceil(cost / (budget *
-step_time))`, at least `nan_snapshot_steps` when set (else 1), at most the checkpoint interval (`save_steps`). Every
-rank then decides the same from the same figures. It grows at once when the budget asks for it, and shrinks only when
-the figures ask for at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not make it swing.
-`nan_snapshot_budget=0` keeps a fixed interval: `nan_snapshot_steps` (10 when unset).
+`RollbackSource.copy_delay_seconds`; not the time it spent allocating host buffers, a one-time cost) and the wall time
+per step since the previous one (snapshots excluded), every rank's largest figure is agreed at the snapshot (where the
+ranks meet anyway), and [`choose_interval`] turns the medians of the last [`HISTORY`] figures into the interval:
+`ceil(cost / (budget * step_time))`, at least `nan_snapshot_steps` when set (else 1), at most the checkpoint interval
+(`save_steps`). Every rank then decides the same from the same figures. It grows at once when the budget asks for it,
+and shrinks only when the figures ask for at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not
+make it swing. The first decision comes before the second snapshot ([`SnapshotInterval.estimate`]): from the first
+snapshot's cost (taken before the first step, it holds no optimizer moments yet) scaled to the state's bytes now, so a
+run whose snapshots are dear pays for one at the start, not for several while it measures. `nan_snapshot_budget=0`
+keeps a fixed interval: `nan_snapshot_steps` (10 when unset).
 
 The flag reads (one cheap transfer of the per-step fault flags) keep the short cadence (`nan_snapshot_steps`, else
 10), so skips and their rollbacks come as soon as before; only the check and the copy stretch.
@@ -21,7 +23,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from statistics import median
 from typing import Any
@@ -105,22 +107,26 @@ class SnapshotInterval:
         self.costs: deque[float] = deque(maxlen=HISTORY)
         self.step_times: deque[float] = deque(maxlen=HISTORY)
         self.decided = False
+        self.held: Callable[[], int] | None = None
         self._mark: tuple[float, int] | None = None  # (time, step) right after the last snapshot
+        self._first: tuple[float, int] | None = None  # (cost, state bytes) of the first snapshot, for [`estimate`]
         self._host = 0.0  # host seconds of snapshot work since the mark
 
     @property
     def adaptive(self) -> bool:
         return self.budget > 0
 
-    def start(self, config: Any, state: Any, say: bool = True) -> str:
+    def start(self, config: Any, state: Any, say: bool = True, held: Callable[[], int] | None = None) -> str:
         """Training starts: set the bounds (`config`: `TrainingArguments`, `state`: the `TrainerState`) and the
-        interval to start with; returns what the run starts with, logged when `say`."""
+        interval to start with; returns what the run starts with, logged when `say`. `held()`: the bytes of the state
+        a snapshot copies (for [`estimate`]; `None`: no estimate)."""
+        self.held = held
         self.upper = checkpoint_interval(config, state)
         fixed = not self.adaptive  # a fixed interval is the one set, as it always was; else within the bounds
         self.steps = self.start_steps if fixed else min(self.start_steps, max(self.lower, self.upper or LONGEST))
         self.costs.clear()
         self.step_times.clear()
-        self.decided, self._mark, self._host = False, None, 0.0
+        self.decided, self._mark, self._first, self._host = False, None, None, 0.0
         bounds = f"{self.lower} to {self.upper} steps (`save_steps`)" if self.upper else f"at least {self.lower} steps"
         started = f"NaN guard: a snapshot every {self.steps} steps (`nan_snapshot_budget=0`: a fixed interval)."
         if not fixed:
@@ -153,19 +159,23 @@ class SnapshotInterval:
     def taken(self, step: int, delay: float | None) -> tuple[float, float] | None:
         """A snapshot of `step` was taken (`delay`: the device delay of its copies, if known): this rank's figures
         `(cost, step_time)` since the previous one, or `None` when there is nothing to measure (the first snapshot,
-        the same step again); the same on every rank."""
+        the same step again)."""
         now, mark, cost = time.perf_counter(), self._mark, self._host + (delay or 0.0)
         self._mark, self._host = (now, step), 0.0
+        if mark is None and self.held is not None:
+            self._first = (cost, self.held())
         if mark is None or step <= mark[1] or not self.adaptive:
             return None
         return cost, max(now - mark[0] - cost, 0.0) / (step - mark[1])  # the steps' own time: the snapshots' out
 
-    def decide(self, step: int, figures: tuple[float, float], events: EventLog) -> None:
-        """Fold the figures agreed across ranks into the running medians and choose the interval; record a
-        `snapshot_interval` event at the first decision and whenever the interval changes."""
-        self.costs.append(figures[0])
-        self.step_times.append(figures[1])
-        cost, step_time = median(self.costs), median(self.step_times)
+    def decide(self, step: int, figures: tuple[float, float], events: EventLog, estimated: bool = False) -> None:
+        """Choose the interval from the figures agreed across ranks (folded into the running medians, unless
+        `estimated`: then from them alone); record a `snapshot_interval` event at the first decision and whenever the
+        interval changes."""
+        if not estimated:
+            self.costs.append(figures[0])
+            self.step_times.append(figures[1])
+        cost, step_time = figures if estimated else (median(self.costs), median(self.step_times))
         chosen = choose_interval(cost, step_time, self.budget, self.lower, self.upper)
         previous, self.steps = self.steps, next_interval(self.steps, chosen)
         if self.decided and self.steps == previous:
@@ -175,26 +185,40 @@ class SnapshotInterval:
         detail = {
             "interval": self.steps, "previous": previous, "snapshot_seconds": cost, "step_seconds": step_time,
             "overhead": overhead, "budget": self.budget, "lower": self.lower, "upper": self.upper,
+            "estimated": estimated,
         }  # fmt: skip
         events.add(RunEvent(step, "snapshot_interval", [], [], detail))
 
+    def estimate(self, step: int, source: Any, port: Any, events: EventLog) -> None:
+        """At the step where the second snapshot would be taken, before it, while nothing is decided: decide from the
+        first snapshot's cost, scaled to the state's bytes now (the optimizer's moments appear at its first step), and
+        the steps' time since, so that a second snapshot is taken only if the budget allows it. A collective when
+        distributed (every rank reaches that step undecided)."""
+        first, mark = self._first, self._mark
+        if not self.adaptive or self.decided or first is None or mark is None or step <= mark[1] or step % self.steps:
+            return
+        cost, then = first[0] + (source.copy_delay_seconds() or 0.0), first[1]
+        cost *= self.held() / then if then else 1.0
+        step_time = max(time.perf_counter() - mark[0] - self._host, 0.0) / (step - mark[1])
+        self.decide(step, agreed((cost, step_time), port.device), events, estimated=True)
+
     def after_snapshot(self, state: Any, source: Any, port: Any, events: EventLog) -> None:
         """A snapshot was just taken (`state`: the `TrainerState`; `source`: the [`RollbackSource`] that took it, for
-        its copies' device delay and whether it allocated its host buffers): measure it and, but at the end of
-        training (no interval left to choose) or after a snapshot that allocated its buffers on any rank (a one-time
-        cost of several copies, and on a GPU their page-locking: decided on, it would stretch the next intervals),
-        decide. A collective when the interval adapts (every rank takes its snapshots at the same steps, so every
-        rank calls it; `port.device`)."""
-        delay, allocated = source.copy_delay_seconds(), source.buffers_allocated()
-        figures = self.taken(state.global_step, delay)
+        its copies' device delay and the time it spent allocating host buffers, which is left out: a one-time cost):
+        measure it and, but at the end of training (no interval left to choose), decide. A
+        collective when the interval adapts (every rank takes its snapshots at the same steps; `port.device`)."""
+        self._host -= source.allocation_seconds()
+        figures = self.taken(state.global_step, source.copy_delay_seconds())
         if figures is None or state.global_step >= state.max_steps:
             return
-        agreed = (*figures, float(allocated))
-        if distributed():  # one process: its own figures, with no device round trip
-            agreed = tuple(max_across_ranks(torch.tensor(agreed, dtype=torch.float64, device=port.device)).tolist())
-        if agreed[2]:
-            return
-        self.decide(state.global_step, (agreed[0], agreed[1]), events)
+        self.decide(state.global_step, agreed(figures, port.device), events)
+
+
+def agreed(figures: tuple[float, float], device: Any) -> tuple[float, float]:
+    """Every rank's largest of each figure (a collective when distributed; one process: its own, no device trip)."""
+    if not distributed():
+        return figures
+    return tuple(max_across_ranks(torch.tensor(figures, dtype=torch.float64, device=device)).tolist())
 
 
 __all__ = ["SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval"]

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import logging
 import math
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class HostBuffers:
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.pinned = False
         self.allocations = 0  # how many times [`views`] allocated (a new layout): a one-time cost, not a copy's
+        self.allocation_seconds = 0.0  # the host time the last allocation took (its pages touched or page-locked)
         self._signature: tuple | None = None
         self._views: list[torch.Tensor] = []
         self._unpin = None
@@ -99,10 +101,15 @@ class HostBuffers:
         if signature != self._signature:
             self.release()
             self.allocations += 1
+            began = time.perf_counter()
             sizes, slots = plan(signature[1:])
             self.buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
             if pin:
-                self._pin()
+                self._pin()  # which maps every page
+            else:
+                for buffer in self.buffers.values():  # map every page now, not in the first copy: its time is a copy's
+                    buffer.zero_()
+            self.allocation_seconds = time.perf_counter() - began
             self._views = [self.buffers[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in slots]
             self._signature = signature
         return self._views

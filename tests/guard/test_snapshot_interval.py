@@ -149,16 +149,17 @@ def run(tmp_path, model, sleep: float = 0.0, faults=(), **config):
 
 
 def test_costly_snapshots_stretch_to_the_checkpoint_interval(toy_models, tmp_path):
-    # A budget no snapshot fits in: the interval goes to its upper bound, `save_steps`, at the first decision (step 4:
-    # the snapshot of step 2 allocated the moments' buffers); the flags are still read every `nan_snapshot_steps`, and
-    # a rollback goes back to the last snapshot (at most 6 steps).
+    # A budget no snapshot fits in: the interval goes to its upper bound, `save_steps`, at the first decision, an
+    # estimate at step 2 before the second snapshot would be taken (so none is); the flags are still read every
+    # `nan_snapshot_steps`, and a rollback goes back to the last snapshot (at most 6 steps).
     watch, chosen, events = run(
         tmp_path, toy_models["qwen2"], max_steps=20, save_steps=6, nan_snapshot_steps=2, nan_snapshot_budget=1e-6,
         faults=[Fault(step=9, kind="weight")],
     )  # fmt: skip
-    assert [(e["step"], e["previous"], e["interval"], e["lower"], e["upper"]) for e in chosen] == [(4, 2, 6, 2, 6)]
+    got = [(e["step"], e["previous"], e["interval"], e["lower"], e["upper"], e["estimated"]) for e in chosen]
+    assert got == [(2, 2, 6, 2, 6, True)]
     assert chosen[0]["snapshot_seconds"] > 0 and chosen[0]["step_seconds"] > 0 and chosen[0]["budget"] == 1e-6
-    assert watch.snapshots == [0, 2, 4, 6, 12, 18, 20]  # the start, the buffers, the first decision, then every 6
+    assert watch.snapshots == [0, 6, 12, 18, 20]  # the start, then every 6 (a rollback's target)
     assert max(watch.unread) < 2  # the flag reads kept their cadence
     [rollback] = [e for e in events if e["kind"] == "rollback"]
     assert rollback["restored_step"] == 6
@@ -166,34 +167,40 @@ def test_costly_snapshots_stretch_to_the_checkpoint_interval(toy_models, tmp_pat
 
 def test_slow_steps_keep_the_lower_bound(toy_models, tmp_path):
     # Steps of over 50 ms and a budget of 90%: one snapshot of this tiny model would fit every step, but
-    # `nan_snapshot_steps=3` is the least (decided at step 6: the snapshot of step 3 allocated its buffers).
+    # `nan_snapshot_steps=3` is the least (estimated at step 3, then measured at each snapshot: no change).
     watch, chosen, _ = run(
         tmp_path, toy_models["qwen2"], sleep=0.05, max_steps=9, save_steps=100, nan_snapshot_steps=3,
         nan_snapshot_budget=0.9,
     )  # fmt: skip
-    assert [(e["step"], e["interval"], e["lower"], e["upper"]) for e in chosen] == [(6, 3, 3, 100)]
+    got = [(e["step"], e["interval"], e["lower"], e["upper"], e["estimated"]) for e in chosen]
+    assert got == [(3, 3, 3, 100, True)]
     assert chosen[0]["step_seconds"] >= 0.05  # measured from the real steps, their sleep included
     assert watch.snapshots == [0, 3, 6, 9]
 
 
 def test_the_interval_follows_the_measured_figures(toy_models, tmp_path):
-    # Unset `nan_snapshot_steps`: start at 10, adapt from 1 (from step 20: the snapshot of step 10 allocated its
-    # buffers). Whatever this machine measures, the interval is the one the recorded figures give, and the next
-    # snapshots follow it.
+    # Unset `nan_snapshot_steps`: start at 10, adapt from 1 (estimated at step 10 from the first snapshot's cost, then
+    # measured at each snapshot). Whatever this machine measures, the interval is the one the recorded figures give,
+    # and the snapshots follow it.
     watch, chosen, _ = run(
         tmp_path, toy_models["qwen2"], sleep=0.02, max_steps=24, save_steps=1000, nan_snapshot_steps=None,
         nan_snapshot_budget=0.05,
     )  # fmt: skip
     first = chosen[0]
-    assert (first["step"], first["previous"], first["lower"], first["upper"]) == (20, 10, 1, 1000)
+    assert (first["step"], first["previous"], first["lower"], first["upper"]) == (10, 10, 1, 1000)
+    assert first["estimated"]
     expected = choose_interval(first["snapshot_seconds"], first["step_seconds"], 0.05, 1, 1000)
     assert first["interval"] == next_interval(10, expected)
     assert first["step_seconds"] >= 0.02 and first["snapshot_seconds"] > 0
     assert first["overhead"] <= 0.05
-    # Each snapshot re-decides (a change is an event): the interval in force at a step is the last one chosen before it.
-    in_force = {s: [e["interval"] for e in chosen if e["step"] < s][-1] for s in range(21, 24)}
-    following = [s for s in watch.snapshots if 20 < s < 24]
-    assert watch.snapshots[:3] == [0, 10, 20] and following == [s for s in range(21, 24) if s % in_force[s] == 0]
+    assert not any(e["estimated"] for e in chosen[1:])  # every later decision is measured at a snapshot
+    # The interval in force at a step is the last one chosen before it (or estimated at it, before its snapshot).
+    in_force = {
+        s: [e["interval"] for e in chosen if e["step"] < s or (e["step"] == s and e["estimated"])][-1]
+        for s in range(10, 24)
+    }
+    following = [s for s in watch.snapshots if 10 <= s < 24]
+    assert watch.snapshots[0] == 0 and following == [s for s in range(10, 24) if s % in_force[s] == 0]
 
 
 def test_budget_zero_keeps_the_fixed_interval(toy_models, tmp_path):
@@ -220,12 +227,62 @@ def test_two_ranks_agree_on_the_interval(tmp_path):
     assert all(1 <= e["interval"] <= 6 and e["upper"] == 6 for e in ranks[0])
 
 
-def test_the_snapshot_that_allocates_its_buffers_is_not_measured(toy_models, tmp_path):
-    # The snapshot at step 2 is the first with AdamW's moments: its host buffers are allocated then (and, on a GPU,
-    # page-locked), a one-time cost of several copies (~3x a copy on this CPU, far more with pinning). Decided on, it
-    # would stretch the interval for the next snapshots: its figures are not used, the first decision is at step 4.
-    watch, chosen, _ = run(
-        tmp_path, toy_models["qwen2"], max_steps=8, save_steps=100, nan_snapshot_steps=2, nan_snapshot_budget=0.9
-    )
-    assert [(e["step"], e["previous"], e["interval"]) for e in chosen] == [(4, 2, 2)]
-    assert watch.snapshots == [0, 2, 4, 6, 8]
+def test_the_buffers_allocation_is_not_counted_as_a_snapshot_cost(toy_models, tmp_path):
+    # The snapshot at step 2 is the first with AdamW's moments: it allocates their host buffers (and, on a GPU,
+    # page-locks them), a one-time cost of several copies (~3x a copy on this CPU, far more with pinning). Counted, it
+    # would stretch the interval: the source reports it (`allocation_seconds`) and the interval leaves it out.
+    trainer = build_trainer(
+        "sft", toy_models["qwen2"], tmp_path / "out", preset="guarded", max_steps=4, save_steps=100,
+        nan_snapshot_steps=2, nan_snapshot_budget=0.9,
+    )  # fmt: skip
+    allocations = []
+
+    class Allocations(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            source = trainer.nan_guard.snapshotter
+            allocations.append((state.global_step, source.snapshot.step, source.allocation_seconds()))
+
+    trainer.add_callback(Allocations())
+    trainer.train()
+    at_two = [a for step, snap, a in allocations if step == 2 and snap == 2]
+    at_four = [a for step, snap, a in allocations if step == 4 and snap == 4]
+    assert at_two and at_two[0] > 0  # the moments' buffers were allocated (and their pages mapped) at step 2
+    assert at_four and at_four[0] == 0.0  # reused at step 4
+
+
+class FakeSource:
+    def __init__(self, allocation: float = 0.0, delay: float | None = 0.0):
+        self.allocation, self.delay = allocation, delay
+
+    def allocation_seconds(self) -> float:
+        return self.allocation
+
+    def copy_delay_seconds(self) -> float | None:
+        return self.delay
+
+
+def test_the_estimate_scales_the_first_cost_to_the_state_and_leaves_the_allocation_out(tmp_path):
+    events = EventLog(str(tmp_path), write=True)
+    interval = SnapshotInterval(settings(nan_snapshot_budget=0.01))
+    config = type("Config", (), {"save_strategy": "steps", "save_steps": 10_000})()
+    held = [100]  # the state's bytes: the weights at the first snapshot, 3x once the moments exist
+    interval.start(config, None, say=False, held=lambda: held[0])
+    state = type("State", (), {"global_step": 0, "max_steps": 1000})()
+    port = type("Port", (), {"device": "cpu"})()
+    with interval.timed():
+        time.sleep(0.03)  # the check and the copy, 20 ms of which allocating (left out)
+    interval.after_snapshot(state, FakeSource(allocation=0.02, delay=0.0), port, events)
+    cost = interval._first[0]
+    assert 0.009 <= cost < 0.02
+    held[0] = 300
+    interval.estimate(9, FakeSource(delay=0.005), port, events)  # not at the start interval's step: nothing
+    assert not interval.decided and not events.events
+    interval.estimate(10, FakeSource(delay=0.005), port, events)  # the first copy's device delay, known by now
+    [event] = events.events
+    assert event.step == 10 and event.detail["estimated"]
+    assert event.detail["snapshot_seconds"] == pytest.approx((cost + 0.005) * 3)
+    expected = choose_interval(event.detail["snapshot_seconds"], event.detail["step_seconds"], 0.01, 1, 10_000)
+    assert interval.steps == event.detail["interval"] == next_interval(10, expected)
+    assert not interval.costs  # an estimate is not one of the measured figures
+    interval.estimate(20, FakeSource(), port, events)  # decided: no second estimate
+    assert len(events.events) == 1

@@ -89,9 +89,9 @@ class CheckpointSource:
         """No copy: the good state is a checkpoint the trainer publishes anyway."""
         return 0.0
 
-    def buffers_allocated(self) -> bool:
-        """Never: no host buffers."""
-        return False
+    def allocation_seconds(self) -> float:
+        """None: no host buffers."""
+        return 0.0
 
     def needs_checkpoint(self, step: int) -> bool:
         """Whether the good state of `step` must be published as a checkpoint: no good checkpoint at or before it

@@ -69,7 +69,7 @@ class HostSnapshot:
         self.replicas = replica_shards(model, backend)  # DDP: this rank keeps 1/N of the snapshot
         self.may_load = self.replicas is not None  # a DDP rank without its shard loads the newest checkpoint
         self.fallback: CheckpointSource | None = None  # a DDP rank lost its shard: the rollback loads from disk
-        self.allocated = False  # the last take allocated its host buffers
+        self.allocated = 0.0  # the seconds the last take spent allocating its host buffers
 
     # -- taking -------------------------------------------------------------------------------------------------
     def take(self, state: Any) -> Snapshot:
@@ -97,7 +97,7 @@ class HostSnapshot:
                 snap.params, snap.optimizer_state = held["params"], held["optimizer"]
         snap.counters = best_model_fields(state)
         snap.step = state.global_step
-        self.allocated = self.host.allocations != allocations
+        self.allocated = self.host.allocation_seconds if self.host.allocations != allocations else 0.0
         return snap
 
     def before_write(self) -> None:
@@ -111,9 +111,10 @@ class HostSnapshot:
         the training stream); `0.0` for host copies, `None` before it is known. Never synchronises."""
         return self.copies.delay_seconds()
 
-    def buffers_allocated(self) -> bool:
-        """Whether the last [`take`] allocated its host buffers (a new layout: the first snapshot with the
-        optimizer's moments), and page-locked them on a GPU: a one-time cost the snapshot interval does not measure."""
+    def allocation_seconds(self) -> float:
+        """The host seconds the last [`take`] spent allocating its host buffers (a new layout: the first snapshot, and
+        the first with the optimizer's moments), page-locking them on a GPU: a one-time cost, not a copy's (the
+        snapshot interval leaves it out); `0.0` when it reused them."""
         return self.allocated
 
     def published(self, path: str) -> None:

@@ -70,9 +70,9 @@ class RollbackSource(Protocol):
         (copies queued on a GPU), for the snapshot interval's budget (`guard/snapshot_interval.py`); `None` when not
         known yet."""
 
-    def buffers_allocated(self) -> bool:
-        """Whether the last [`take`] allocated its host buffers (a one-time cost, several copies' worth: the snapshot
-        interval does not decide on that snapshot's figures)."""
+    def allocation_seconds(self) -> float:
+        """The host seconds the last [`take`] spent allocating its host buffers (a one-time cost, not counted as the
+        snapshot's: `guard/snapshot_interval.py`); `0.0` when it reused them."""
 
     def needs_checkpoint(self, step: int) -> bool:
         """Whether the good state of `step` must be published as a checkpoint before it can be gone back to."""
