@@ -87,6 +87,13 @@ class SafetyArguments:
         backends store. Both load that state with pickle's full unpickler, so a resume passes over a checkpoint that
         needs any other (`resume_from_checkpoint=True`, a restart) or refuses it (an explicit path): name here the
         ones of a checkpoint you wrote yourself and trust.
+    job_end_time (`float`, *optional*, defaults to `None`):
+        When the job ends, as a Unix time: the run publishes a verified checkpoint and exits with status 75
+        (resumable) early enough to be done before it (the longest step, the measured save time and
+        `job_end_slack`). Unset: SLURM's `SLURM_JOB_END_TIME`, when the job runs under SLURM with a time limit;
+        `0`: no deadline, whatever the scheduler says. Needs `nan_guard`.
+    job_end_slack (`float`, *optional*, defaults to `60.0`):
+        Seconds kept free before `job_end_time` beyond the longest step and the save time.
     """
 
     safety_mode: SafetyMode = field(
@@ -206,6 +213,17 @@ class SafetyArguments:
         },
     )
 
+    job_end_time: float | None = field(
+        default=None,
+        metadata={
+            "help": "The job's end as a Unix time: publish a checkpoint and exit 75 in time (unset: SLURM's "
+            "`SLURM_JOB_END_TIME` if any; 0: no deadline; needs `nan_guard`)."
+        },
+    )
+    job_end_slack: float = field(
+        default=60.0, metadata={"help": "Seconds kept free before the job's end beyond a step and a save."}
+    )
+
     def __post_init__(self):
         validate_safety_arguments(self)
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -262,6 +280,9 @@ def validate_safety_arguments(settings: Any) -> None:
             f"an integer from 2 to `nan_spike_window` ({settings.nan_spike_window})",
         ),
         ("skip_step_after_crashes", settings.skip_step_after_crashes >= 0, "an integer >= 0 (0 disables)"),
+        ("job_end_time", settings.job_end_time is None or math.isfinite(settings.job_end_time),
+         "a Unix time in seconds (0: no deadline)"),
+        ("job_end_slack", math.isfinite(settings.job_end_slack) and settings.job_end_slack >= 0, "a number >= 0"),
     ]
     for name, ok, expected in checks:
         if not ok:

@@ -35,6 +35,7 @@ import torch
 from ..runtime.collectives import distributed, ranks_with_flag
 from ..runtime.events import EventLog, RunEvent
 from ..runtime.host_buffers import queue_host_copy
+from .deadline import Deadline
 
 logger = logging.getLogger("safe_trainers")
 
@@ -133,13 +134,17 @@ class Preemption:
     Args:
         events ([`EventLog`]): the run's event log (the `preempt` event).
         signals (`tuple[signal.Signals]`): the signals that mean "preempted".
+        deadline ([`Deadline`], *optional*): the job's end time, when the scheduler gives one (`deadline.py`): the
+            run asks to stop, as a signal would, at the step after which it could not save in time.
     """
 
-    def __init__(self, events: EventLog, signals: tuple[signal.Signals, ...]):
+    def __init__(self, events: EventLog, signals: tuple[signal.Signals, ...], deadline: Deadline | None = None):
         self.events = events
         self.signals = signals
+        self.deadline = deadline
         self.state: Any = None  # the loop's `TrainerState`, from `on_train_begin`
         self.received: signal.Signals | None = None
+        self.requested: str | None = None  # what asked to stop: a signal's name, or `"deadline"`
         self.received_at: float | None = None
         self.received_step: int | None = None
         self.stopping_at: int | None = None
@@ -154,14 +159,19 @@ class Preemption:
             # agent's forwarded copy within milliseconds. The cluster's SIGKILL ends a process that cannot stop.
             logger.warning(f"{sig.name} again: already stopping at a step boundary for {self.received.name}.")
             return
-        self.received, self.received_at = sig, time.monotonic()
-        self.received_step = (self.state.global_step if self.state is not None else 0) + 1
+        self.received = sig
+        self.request(sig.name, (self.state.global_step if self.state is not None else 0) + 1)
         previous = self._previous.get(sig)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
+    def request(self, reason: str, step: int) -> None:
+        """Ask to stop at a step boundary (`reason`: a signal's name or `"deadline"`; `step`: the step it came in)."""
+        if self.requested is None:
+            self.requested, self.received_at, self.received_step = reason, time.monotonic(), step
+
     def install(self) -> None:
-        self.received = self.received_at = self.received_step = self.stopping_at = None
+        self.received = self.requested = self.received_at = self.received_step = self.stopping_at = None
         if not self.signals or threading.current_thread() is not threading.main_thread():
             return
         for sig in self.signals:
@@ -180,11 +190,11 @@ class Preemption:
     def local_bit(self, device: Any) -> torch.Tensor | None:
         """This rank's bit to fold into the guard's all-reduce (`None` in a single process: the flag is read
         directly)."""
-        if not self.signals or not distributed():
+        if not (self.signals or self.deadline) or not distributed():
             return None
         if self.bits is None:
             self.bits = AgreedBits(device)
-        return self.bits.local_bit(self.received is not None)
+        return self.bits.local_bit(self.requested is not None)
 
     def agreed(self, step: int, bit: torch.Tensor) -> None:
         if self.bits is not None:
@@ -194,17 +204,31 @@ class Preemption:
         """Training starts (`state`: the loop's `TrainerState`, read when a signal comes): install the handlers."""
         self.bits, self.state = None, state
         self.install()
+        if self.deadline is not None:  # a request at a step's end rides on the next step's all-reduce
+            self.deadline.train_began(stop_lag=READ_LAG + 1 if distributed() else 0)
 
-    def step_ended(self, step: int) -> bool:
-        """Step `step` ended: whether it is the step every rank stops at (it then saves, and training stops)."""
+    def step_began(self) -> None:
+        if self.deadline is not None:
+            self.deadline.step_began()
+
+    def step_ended(self, step: int, last: bool = False) -> bool:
+        """Step `step` ended (`last`: the run's last step, which needs no deadline): whether it is the step every rank
+        stops at (it then saves, and training stops)."""
+        if self.deadline is not None and self.deadline.step_ended() and not last:
+            self.request("deadline", step)
         if self.bits is not None:
             stop = stop_step(self.bits.read_through(step - READ_LAG), READ_LAG)
         else:
-            stop = step if self.received is not None else None
+            stop = step if self.requested is not None else None
         if stop is None or self.stopping_at is not None:
             return False
         self.stopping_at = step
         return True
+
+    def saved(self) -> None:
+        """A checkpoint was saved (`on_save`): the deadline learns how long a save takes."""
+        if self.deadline is not None:
+            self.deadline.saved()
 
     # ------------------------------------------------------------------ exit
     def exit_if_stopping(self, state: Any, device: Any) -> None:
@@ -213,10 +237,12 @@ class Preemption:
         if self.stopping_at is None or state.global_step != self.stopping_at:
             return
         self.restore()
-        name = self.received.name if self.received is not None else "a signal on another rank"
-        received = torch.tensor([self.received is not None], device=device)
+        name = self.requested if self.requested is not None else "a signal on another rank"
+        received = torch.tensor([self.requested is not None], device=device)
         ranks = ranks_with_flag(received)[0]  # every rank stops at this step: one collective, once
         detail = {"signal": name, "received_step": self.received_step, "checkpoint_step": self.stopping_at}
+        if self.deadline is not None:
+            detail.update(self.deadline.report())
         if self.received_at is not None:
             detail["seconds_since_signal"] = round(time.monotonic() - self.received_at, 3)
         self.events.add(RunEvent(self.stopping_at, "preempt", [], ranks, detail))

@@ -75,10 +75,16 @@ class PreemptionCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs: Any):
         self.preemption.train_began(state)
 
+    def on_step_begin(self, args, state, control, **kwargs: Any):
+        self.preemption.step_began()
+
     def on_step_end(self, args, state, control, **kwargs: Any):
-        if self.preemption.step_ended(state.global_step):
+        if self.preemption.step_ended(state.global_step, last=state.global_step >= state.max_steps):
             control.should_save = True
             control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs: Any):
+        self.preemption.saved()
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.preemption.restore()

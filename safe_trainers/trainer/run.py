@@ -28,8 +28,10 @@ from typing import Any
 from transformers.trainer_callback import DefaultFlowCallback
 
 from ..guard import NanGuard
+from ..guard.backends import state_bytes
 from ..restarts.agents import restart_count
 from ..restarts.compile_watch import CompileWatch
+from ..restarts.deadline import Deadline, job_end_time
 from ..restarts.hang_report import hang_exits
 from ..restarts.output_lock import OutputDirLock
 from ..restarts.preemption import Preemption, parse_signals
@@ -118,8 +120,13 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     args = trainer.args
     events = EventLog(args.output_dir, write=trainer.is_world_process_zero())
     run = SafeRun(events=events, hooks_ran=HooksRan(), hooks=HookState())
-    signals = parse_signals(settings.preempt_signals)
-    run.preemption = Preemption(events, signals) if signals else None
+    signals, end = parse_signals(settings.preempt_signals), job_end_time(settings.job_end_time, os.environ)
+
+    def held() -> int:  # what a checkpoint writes at least: the weights and, once bound, the optimizer's state
+        return state_bytes(run.guard.backend, trainer.model)
+
+    deadline = Deadline(*end, settings.job_end_slack, held) if end is not None else None
+    run.preemption = Preemption(events, signals, deadline) if signals or deadline else None
     if settings.hang_timeout > 0:
         run.watchdog = HangWatchdog(
             args.output_dir, args.process_index, settings.hang_timeout, settings.hang_timeout_factor,

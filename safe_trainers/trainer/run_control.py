@@ -54,7 +54,7 @@ def preempted_at_end(trainer: Any) -> Preempted | None:
     preemption = run.preemption
     if preemption is None:
         return None
-    asked = preemption.received is not None or preemption.stopping_at is not None
+    asked = preemption.requested is not None or preemption.stopping_at is not None
     ranks = ranks_with_flag(torch.tensor([asked], device=trainer.args.device))[0]
     if not ranks:
         return None
@@ -63,7 +63,7 @@ def preempted_at_end(trainer: Any) -> Preempted | None:
     saved = hooks.steps.get("_save_checkpoint") == step and hooks.refused_save != step
     if not saved and checkpoint_step(run.guard.resumed_from or "") != step:  # not resumed at the end either
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)  # verified and staged like every checkpoint
-    name = preemption.received.name if preemption.received is not None else "a signal on another rank"
+    name = preemption.requested if preemption.requested is not None else "a signal on another rank"
     detail = {"signal": name, "received_step": preemption.received_step, "checkpoint_step": step, "finished": True}
     run.events.add(RunEvent(step, "preempt", [], ranks, detail))
     if trainer.is_world_process_zero():

@@ -17,7 +17,8 @@ run trains, in order (one fresh pass over the prepared train dataloader).
 As a cluster job can: `--stages N` runs N `train()` calls in one script (stage 1 in `DIR/run`, stage s in
 `DIR/run<s>`, each starting from the previous stage's model; `--kill_stage` says which one `--kill` applies to; each
 attempt appends what each stage's `train()` returned to `DIR/stages-rank<r>.jsonl`); `--die_before_train ATTEMPTS`
-kills the process before `train()` (loading); `--backdate SECONDS` sets the file times of every published checkpoint
+kills the process before `train()` (loading), `--job_ended ATTEMPTS` gives those attempts a `job_end_time` already
+past (a deadline); `--backdate SECONDS` sets the file times of every published checkpoint
 that far in the past (shared storage whose clock lags); `--truncate STEP:FILE` cuts `FILE` of `checkpoint-STEP` to half
 its length once it is published, in attempt 0 (a save written in place and interrupted). `--push` uploads to the Hub
 at every save (`push_to_hub=True`, `hub_strategy="every_save"`, the Hub at `HF_ENDPOINT`); `--pause` then waits for the
@@ -70,6 +71,7 @@ def parse(argv=None):
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--kill_stage", type=int, default=1)
     parser.add_argument("--die_before_train", default="", help="ATTEMPTS, as in --kill")
+    parser.add_argument("--job_ended", default="", help="ATTEMPTS, as in --kill: `job_end_time` already past")
     parser.add_argument("--backdate", type=float, default=0.0)
     parser.add_argument("--truncate", default="", help="STEP:FILE")
     parser.add_argument("--save_total_limit", type=int, default=None)
@@ -236,6 +238,7 @@ def main(argv=None) -> int:
             hang_timeout=ns.hang_timeout,
             hang_action=ns.hang_action,
             save_on_each_node=ns.save_on_each_node,
+            job_end_time=time.time() - 1 if ns.job_ended and in_attempts(ns.job_ended) else None,
             **spikes,
             **(dict(push_to_hub=True, hub_strategy="every_save", hub_model_id="local/test") if ns.push else {}),
         )
