@@ -211,10 +211,11 @@ class Preemption:
         if self.deadline is not None:
             self.deadline.step_began()
 
-    def step_ended(self, step: int, last: bool = False) -> bool:
-        """Step `step` ended (`last`: the run's last step, which needs no deadline): whether it is the step every rank
-        stops at (it then saves, and training stops)."""
-        if self.deadline is not None and self.deadline.step_ended() and not last:
+    def step_ended(self, step: int, steps_left: int | None = None) -> bool:
+        """Step `step` ended (`steps_left`: before `max_steps`): whether it is the step every rank stops at (it then
+        saves, and training stops). A deadline asks to stop only if the run would not end first."""
+        deadline = self.deadline
+        if deadline is not None and deadline.step_ended() and (steps_left is None or steps_left > deadline.stop_lag):
             self.request("deadline", step)
         if self.bits is not None:
             stop = stop_step(self.bits.read_through(step - READ_LAG), READ_LAG)

@@ -79,7 +79,7 @@ class PreemptionCallback(TrainerCallback):
         self.preemption.step_began()
 
     def on_step_end(self, args, state, control, **kwargs: Any):
-        if self.preemption.step_ended(state.global_step, last=state.global_step >= state.max_steps):
+        if self.preemption.step_ended(state.global_step, steps_left=state.max_steps - state.global_step):
             control.should_save = True
             control.should_training_stop = True
 

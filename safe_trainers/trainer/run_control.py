@@ -54,7 +54,7 @@ def preempted_at_end(trainer: Any) -> Preempted | None:
     preemption = run.preemption
     if preemption is None:
         return None
-    asked = preemption.requested is not None or preemption.stopping_at is not None
+    asked = preemption.requested not in (None, "deadline") or preemption.stopping_at is not None  # a deadline: done
     ranks = ranks_with_flag(torch.tensor([asked], device=trainer.args.device))[0]
     if not ranks:
         return None
