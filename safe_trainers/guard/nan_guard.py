@@ -112,13 +112,14 @@ class NanGuard:
         self.flags = StepFlags(backend.loss_scaled, self.spikes)
         self.batches.clear()
         self.interval.start(self.config, self.port.state, self.events.write, partial(state_bytes, backend, model))
-        if not self.state_is_finite():
+        with self.interval.timed():  # the first snapshot's check, part of its cost as every snapshot's is
+            finite = self.state_is_finite()
+        if not finite:
             raise ValueError(nonfinite_start_message(self.damaged_ranks))
         return self.take_snapshot()
 
     def resumed_learning_rate(self, optimizer: Any, scheduler: Any) -> None:
-        """After a checkpoint's optimizer and scheduler were loaded (with the backed-off LR): follow a different
-        `learning_rate` asked for now ([`follow_learning_rate`])."""
+        """A checkpoint's optimizer and scheduler were loaded: follow a new `learning_rate` (`follow_learning_rate`)."""
         self.state.learning_rate = follow_learning_rate(optimizer, scheduler, self.config, self.state.learning_rate)
 
     # ------------------------------------------------------------------ hot path (no host sync)
@@ -150,7 +151,7 @@ class NanGuard:
         """After `optimizer.step()`: take back what `apply_skip` handed the optimizer."""
         self.flags.after_update(optimizer)
 
-    # ------------------------------------------------------------------ when to inspect
+    # ------------------------------------------------------------------ when to inspect, and the inspection
     def due(self, control: Any) -> tuple[bool, bool] | None:
         """Where the Trainer is about to log, evaluate or save (every step, before it does): `(verify, snapshot)` when
         an inspection is due ([`inspection_due`]), else `None`."""
@@ -160,7 +161,6 @@ class NanGuard:
         self.interval.estimate(step, self.snapshotter, self.port, self.events)  # before a second snapshot
         return inspection_due(control, step, self.config, self.interval.steps, pending, self.interval.read_steps)
 
-    # ------------------------------------------------------------------ inspection
     def judge(self, verify: bool = False, snapshot: bool = False, fresh: bool = False) -> Judged | None:
         """Read the pending flags and judge them (checking the state when a step was bad, or `verify`); `fresh`: do
         not trust an earlier verification of this step. `None` when there is nothing to judge."""
