@@ -10,8 +10,11 @@ ranks meet anyway), and [`choose_interval`] turns the medians of the last [`HIST
 and shrinks only when the figures ask for at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not
 make it swing. The first decision comes before the second snapshot ([`SnapshotInterval.estimate`]): from the first
 snapshot's cost (taken before the first step, it holds no optimizer moments yet) scaled to the state's bytes now, so a
-run whose snapshots are dear pays for one at the start, not for several while it measures. `nan_snapshot_budget=0`
-keeps a fixed interval: `nan_snapshot_steps` (10 when unset).
+run whose snapshots are dear pays for one at the start, not for several while it measures. The one-time costs (the
+first snapshot, the buffers' allocations) count against the budget too: what the snapshots so far took beyond `budget
+x` the wall time since training started ([`SnapshotInterval.debt`]) is added to the next snapshot's cost when an
+interval is chosen, so they stretch the next interval instead of the run. `nan_snapshot_budget=0` keeps a fixed
+interval: `nan_snapshot_steps` (10 when unset).
 
 The flag reads (one cheap transfer of the per-step fault flags) keep the short cadence (`nan_snapshot_steps`, else
 10), so skips and their rollbacks come as soon as before; only the check and the copy stretch.
@@ -111,6 +114,8 @@ class SnapshotInterval:
         self._mark: tuple[float, int] | None = None  # (time, step) right after the last snapshot
         self._first: tuple[float, int] | None = None  # (cost, state bytes) of the first snapshot, for [`estimate`]
         self._host = 0.0  # host seconds of snapshot work since the mark
+        self._spent = 0.0  # seconds of snapshot work since training started, allocations and the first included
+        self._began = time.perf_counter()  # when training started
 
     @property
     def adaptive(self) -> bool:
@@ -127,6 +132,7 @@ class SnapshotInterval:
         self.costs.clear()
         self.step_times.clear()
         self.decided, self._mark, self._first, self._host = False, None, None, 0.0
+        self._spent, self._began = 0.0, time.perf_counter()
         bounds = f"{self.lower} to {self.upper} steps (`save_steps`)" if self.upper else f"at least {self.lower} steps"
         started = f"NaN guard: a snapshot every {self.steps} steps (`nan_snapshot_budget=0`: a fixed interval)."
         if not fixed:
@@ -176,7 +182,8 @@ class SnapshotInterval:
             self.costs.append(figures[0])
             self.step_times.append(figures[1])
         cost, step_time = figures if estimated else (median(self.costs), median(self.step_times))
-        chosen = choose_interval(cost, step_time, self.budget, self.lower, self.upper)
+        debt = self.debt()
+        chosen = choose_interval(cost + debt, step_time, self.budget, self.lower, self.upper)
         previous, self.steps = self.steps, next_interval(self.steps, chosen)
         if self.decided and self.steps == previous:
             return
@@ -185,7 +192,7 @@ class SnapshotInterval:
         detail = {
             "interval": self.steps, "previous": previous, "snapshot_seconds": cost, "step_seconds": step_time,
             "overhead": overhead, "budget": self.budget, "lower": self.lower, "upper": self.upper,
-            "estimated": estimated,
+            "estimated": estimated, "debt_seconds": debt,
         }  # fmt: skip
         events.add(RunEvent(step, "snapshot_interval", [], [], detail))
 
@@ -202,11 +209,17 @@ class SnapshotInterval:
         step_time = max(time.perf_counter() - mark[0] - self._host, 0.0) / (step - mark[1])
         self.decide(step, agreed((cost, step_time), port.device), events, estimated=True)
 
+    def debt(self) -> float:
+        """The seconds the snapshots so far took beyond the budget's share of the wall time since training started
+        (the first snapshot and the buffers' allocations included); the next interval stretches to pay it back."""
+        return max(self._spent - self.budget * (time.perf_counter() - self._began), 0.0)
+
     def after_snapshot(self, state: Any, source: Any, port: Any, events: EventLog) -> None:
         """A snapshot was just taken (`state`: the `TrainerState`; `source`: the [`RollbackSource`] that took it, for
         its copies' device delay and the time it spent allocating host buffers, which is left out: a one-time cost):
         measure it and, but at the end of training (no interval left to choose), decide. A
         collective when the interval adapts (every rank takes its snapshots at the same steps; `port.device`)."""
+        self._spent += self._host + (source.copy_delay_seconds() or 0.0)
         self._host -= source.allocation_seconds()
         figures = self.taken(state.global_step, source.copy_delay_seconds())
         if figures is None or state.global_step >= state.max_steps:
