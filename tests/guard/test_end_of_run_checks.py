@@ -35,7 +35,8 @@ class Reader(TrainerCallback):
 def test_the_last_step_is_checked_and_snapshotted_once(toy_models, tmp_path, save_steps):
     saves = dict(save_strategy="steps", save_steps=save_steps) if save_steps else dict(save_strategy="no")
     trainer = build_trainer(
-        "dpo", toy_models["qwen2"], tmp_path, max_steps=4, nan_snapshot_steps=2, logging_steps=1, **saves
+        "dpo", toy_models["qwen2"], tmp_path, max_steps=4, nan_snapshot_steps=2, nan_snapshot_budget=0.0,
+        logging_steps=1, **saves,
     )
     checks, snapshots = Calls(trainer, "state_is_finite"), Calls(trainer, "take_snapshot")
     trainer.train()
@@ -46,7 +47,8 @@ def test_the_last_step_is_checked_and_snapshotted_once(toy_models, tmp_path, sav
 
 def test_a_callback_that_may_change_the_state_keeps_the_checks_after_the_last_one(toy_models, tmp_path):
     trainer = build_trainer(
-        "dpo", toy_models["qwen2"], tmp_path, max_steps=4, nan_snapshot_steps=2, save_strategy="no"
+        "dpo", toy_models["qwen2"], tmp_path, max_steps=4, nan_snapshot_steps=2, nan_snapshot_budget=0.0,
+        save_strategy="no",
     )
     trainer.add_callback(Reader())
     checks = Calls(trainer, "state_is_finite")
