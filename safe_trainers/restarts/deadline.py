@@ -98,8 +98,9 @@ class Deadline:
     def margin(self) -> float:
         return margin_seconds(self.longest_step, self.save_estimate(), self.slack, self.stop_lag)
 
-    def train_began(self, stop_lag: int) -> str:
-        """Training starts (`stop_lag`: see the module docstring): what the run will do, as logged."""
+    def train_began(self, stop_lag: int, say: bool = True) -> str:
+        """Training starts (`stop_lag`: see the module docstring): what the run will do, logged when `say` (the main
+        process)."""
         self.stop_lag = stop_lag
         self._step_began = self._step_ended = None
         now, margin = self.clock(), self.margin()
@@ -111,7 +112,8 @@ class Deadline:
         )
         if now >= self.end:
             said += f" The end is already {now - self.end:.0f} s past: the run stops after its first step."
-        logger.warning(said)
+        if say:
+            logger.warning(said)
         return said
 
     def step_began(self) -> None:

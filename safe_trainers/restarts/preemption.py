@@ -205,7 +205,7 @@ class Preemption:
         self.bits, self.state = None, state
         self.install()
         if self.deadline is not None:  # a request at a step's end rides on the next step's all-reduce
-            self.deadline.train_began(stop_lag=READ_LAG + 1 if distributed() else 0)
+            self.deadline.train_began(READ_LAG + 1 if distributed() else 0, say=state.is_world_process_zero)
 
     def step_began(self) -> None:
         if self.deadline is not None:
