@@ -212,7 +212,6 @@ class SafetyArguments:
             "choices": list(HANG_ACTIONS),
         },
     )
-
     job_end_time: float | None = field(
         default=None,
         metadata={
