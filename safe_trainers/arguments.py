@@ -87,6 +87,11 @@ class SafetyArguments:
         backends store. Both load that state with pickle's full unpickler, so a resume passes over a checkpoint that
         needs any other (`resume_from_checkpoint=True`, a restart) or refuses it (an explicit path): name here the
         ones of a checkpoint you wrote yourself and trust.
+    save_in_background (`bool`, *optional*, defaults to `True`):
+        With `nan_guard`, a checkpoint blocks training only while the state is copied to host memory; its files are
+        written, checked (complete, finite) and published by a background thread, and `on_save`, hub uploads,
+        rotation and the step record see it once published. `False` writes every checkpoint before training goes
+        on. DeepSpeed, FSDP and runs of several processes always save synchronously.
     """
 
     safety_mode: SafetyMode = field(
@@ -178,6 +183,13 @@ class SafetyArguments:
         },
     )
 
+    save_in_background: bool = field(
+        default=True,
+        metadata={
+            "help": "Write each checkpoint in a background thread after copying the state to host memory (training "
+            "goes on; `on_save` and uploads see it once published). `False`: write it before training goes on."
+        },
+    )
     preempt_signals: list[str] = field(
         default_factory=lambda: ["SIGTERM", "SIGUSR1"],
         metadata={
@@ -262,6 +274,7 @@ def validate_safety_arguments(settings: Any) -> None:
             f"an integer from 2 to `nan_spike_window` ({settings.nan_spike_window})",
         ),
         ("skip_step_after_crashes", settings.skip_step_after_crashes >= 0, "an integer >= 0 (0 disables)"),
+        ("save_in_background", isinstance(settings.save_in_background, bool), "`True` or `False`"),
     ]
     for name, ok, expected in checks:
         if not ok:
