@@ -52,6 +52,7 @@ class SaveAwareCallbackHandler(CallbackHandler):
         pending = self.saves.pending if self.saves is not None else None
         if pending is not None and pending.step == state.global_step and not pending.on_save_due:
             pending.on_save_due = True  # made by `announce`, once the checkpoint is published
+            control.should_save = False  # this save is done, as the Trainer's own `on_save` would say
             return control
         return super().on_save(args, state, control)
 
@@ -78,8 +79,10 @@ def announce(trainer: Any) -> None:
         return
     trainer._after_published(pending.final, pending.run_dir, pending.step, publishes=True)
     if pending.on_save_due:
+        due = trainer.control.should_save  # this step's own save, if any, still happens (`on_save` clears it)
         handler = trainer.callback_handler
         trainer.control = CallbackHandler.on_save(handler, trainer.args, pending.state, trainer.control)
+        trainer.control.should_save = trainer.control.should_save or due
 
 
 def announce_if_written(trainer: Any) -> None:
