@@ -1,6 +1,8 @@
 """Where the NaN guard meets the Trainer's checkpoints: written to a staging directory, verified finite, published by
 renames (`restarts/publishing.py`), uploaded and rotated only once published; `save_model` refuses non-finite weights.
-The contracts each keeps are listed in `hooks.py`."""
+With `save_in_background=True` the files are written and published by a writer thread after a host copy
+(`restarts/background_save.py`; its readers: `background_checkpoints.py`). The contracts each keeps are listed in
+`hooks.py`."""
 
 from __future__ import annotations
 

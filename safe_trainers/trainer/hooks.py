@@ -12,7 +12,9 @@ guard touches, and how each keeps its contract:
 * checkpoints and `trainer_state.json`: written to a staging directory (a real directory of this user's, never a
   link), verified finite, then published by renames that leave a complete copy at every point of a crash, fsynced
   (`publishing.py`); the best-model path always names a published checkpoint; `on_save` and hub uploads only ever
-  see published checkpoints.
+  see published checkpoints; a checkpoint written in the background (`save_in_background`) is announced to them on
+  the training thread once published (`background_checkpoints.py`), and before the best model is loaded, a
+  preemption exits and `train()` returns.
 * `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
 * resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
   and a restart by the elastic agent take the newest complete and finite checkpoint (`restarts/resume_plan.py`).
