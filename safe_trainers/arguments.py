@@ -87,7 +87,7 @@ class SafetyArguments:
         backends store. Both load that state with pickle's full unpickler, so a resume passes over a checkpoint that
         needs any other (`resume_from_checkpoint=True`, a restart) or refuses it (an explicit path): name here the
         ones of a checkpoint you wrote yourself and trust.
-    save_in_background (`bool`, *optional*, defaults to `True`):
+    save_in_background (`bool`, *optional*, defaults to `False`):
         With `nan_guard`, a checkpoint blocks training only while the state is copied to host memory; its files are
         written, checked (complete, finite) and published by a background thread, and `on_save`, hub uploads,
         rotation and the step record see it once published. `False` writes every checkpoint before training goes
@@ -184,7 +184,7 @@ class SafetyArguments:
     )
 
     save_in_background: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "Write each checkpoint in a background thread after copying the state to host memory (training "
             "goes on; `on_save` and uploads see it once published). `False`: write it before training goes on."

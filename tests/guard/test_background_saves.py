@@ -74,7 +74,8 @@ class _Readers(TrainerCallback):
 def test_training_goes_on_while_a_checkpoint_is_written_and_its_readers_wait(toy_models, tmp_path):
     out = str(tmp_path)
     trainer = build_trainer(
-        "sft", toy_models["qwen2"], out, preset="guarded", trainer_cls=RecordingPushSFTTrainer, max_steps=8,
+        "sft", toy_models["qwen2"], out, preset="guarded",
+        save_in_background=True, trainer_cls=RecordingPushSFTTrainer, max_steps=8,
         save_steps=2, save_total_limit=1, push_to_hub=True, hub_strategy="checkpoint", hub_model_id="local/test",
     )  # fmt: skip
     readers = _Readers(trainer, out, look_at=5)
@@ -92,7 +93,8 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_its_readers_wait(toy
 def test_the_best_checkpoint_in_flight_is_published_before_it_is_loaded_and_never_rotated(toy_models, tmp_path):
     out = str(tmp_path)
     trainer = build_trainer(
-        "sft", toy_models["qwen2"], out, preset="guarded", eval_rows=4, max_steps=6, save_steps=2, eval_steps=2,
+        "sft", toy_models["qwen2"], out, preset="guarded",
+        save_in_background=True, eval_rows=4, max_steps=6, save_steps=2, eval_steps=2,
         eval_strategy="steps", save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
     )  # fmt: skip
     readers = _Readers(trainer, out, look_at=3)
@@ -109,7 +111,8 @@ def test_the_best_checkpoint_in_flight_is_published_before_it_is_loaded_and_neve
 
 def test_a_preemption_exits_only_once_its_checkpoint_is_published(toy_models, tmp_path):
     out = str(tmp_path)
-    trainer = build_trainer("sft", toy_models["qwen2"], out, preset="guarded", max_steps=8, save_steps=100)
+    trainer = build_trainer("sft", toy_models["qwen2"], out, preset="guarded",
+        save_in_background=True, max_steps=8, save_steps=100)
 
     class SignalAt3(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -127,7 +130,8 @@ def test_a_preemption_exits_only_once_its_checkpoint_is_published(toy_models, tm
 
 def test_stock_trainer_resumes_from_a_checkpoint_written_in_the_background(toy_models, tmp_path):
     out = str(tmp_path / "safe")
-    trainer = build_trainer("sft", toy_models["qwen2"], out, preset="guarded", max_steps=4, save_steps=2)
+    trainer = build_trainer("sft", toy_models["qwen2"], out, preset="guarded",
+        save_in_background=True, max_steps=4, save_steps=2)
     trainer.train()
     stock = build_trainer(
         "sft", toy_models["qwen2"], str(tmp_path / "stock"), preset="guarded", max_steps=6, save_steps=100,
@@ -144,7 +148,8 @@ from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.held_writes import hold_writes
 
 model, out, marker = sys.argv[1:4]
-trainer = build_trainer("sft", model, out, preset="guarded", max_steps=8, save_steps=2)
+trainer = build_trainer("sft", model, out, preset="guarded",
+        save_in_background=True, max_steps=8, save_steps=2)
 hold_writes(trainer, step=4, on_hold=lambda: open(marker, "w").close())  # SIGKILLed while it holds
 trainer.train()
 """
@@ -170,7 +175,8 @@ def test_a_sigkill_during_a_background_write_leaves_the_previous_checkpoint_and_
     assert checkpoint_steps(out) == [2]  # checkpoint-4 is half-written in staging, never published
     assert os.path.isdir(staged) and not os.path.exists(staged + ".complete")
     assert not os.path.isfile(os.path.join(staged, "optimizer.pt"))  # held after the weights
-    restarted = build_trainer("sft", toy_models["qwen2"], out, preset="guarded", max_steps=8, save_steps=2)
+    restarted = build_trainer("sft", toy_models["qwen2"], out, preset="guarded",
+        save_in_background=True, max_steps=8, save_steps=2)
     restarted.train(resume_from_checkpoint=True)
     assert restarted.nan_guard.resumed_from == os.path.join(out, "checkpoint-2")
     assert checkpoint_steps(out) == [2, 4, 6, 8] and not os.path.exists(os.path.join(out, STAGING_DIR))
