@@ -94,6 +94,11 @@ class SafetyArguments:
         `0`: no deadline, whatever the scheduler says. Needs `nan_guard`.
     job_end_slack (`float`, *optional*, defaults to `60.0`):
         Seconds kept free before `job_end_time` beyond the longest step and the save time.
+    save_in_background (`bool`, *optional*, defaults to `False`):
+        With `nan_guard`, a checkpoint blocks training only while the state is copied to host memory; its files are
+        written, checked (complete, finite) and published by a background thread, and `on_save`, hub uploads,
+        rotation and the step record see it once published. `False` writes every checkpoint before training goes
+        on. DeepSpeed, FSDP and runs of several processes always save synchronously.
     """
 
     safety_mode: SafetyMode = field(
@@ -185,6 +190,13 @@ class SafetyArguments:
         },
     )
 
+    save_in_background: bool = field(
+        default=False,
+        metadata={
+            "help": "Write each checkpoint in a background thread after copying the state to host memory (training "
+            "goes on; `on_save` and uploads see it once published). `False`: write it before training goes on."
+        },
+    )
     preempt_signals: list[str] = field(
         default_factory=lambda: ["SIGTERM", "SIGUSR1"],
         metadata={
@@ -282,6 +294,7 @@ def validate_safety_arguments(settings: Any) -> None:
         ("job_end_time", settings.job_end_time is None or math.isfinite(settings.job_end_time),
          "a Unix time in seconds (0: no deadline)"),
         ("job_end_slack", math.isfinite(settings.job_end_slack) and settings.job_end_slack >= 0, "a number >= 0"),
+        ("save_in_background", isinstance(settings.save_in_background, bool), "`True` or `False`"),
     ]
     for name, ok, expected in checks:
         if not ok:

@@ -1,22 +1,30 @@
 """Where the NaN guard meets the Trainer's checkpoints: written to a staging directory, verified finite, published by
 renames (`restarts/publishing.py`), uploaded and rotated only once published; `save_model` refuses non-finite weights.
-The contracts each keeps are listed in `hooks.py`."""
+With `save_in_background=True` the files are written and published by a writer thread after a host copy
+(`restarts/background_save.py`; its readers: `background_checkpoints.py`). The contracts each keeps are listed in
+`hooks.py`."""
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from typing import Any
 
 import torch
-from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from ..errors import NonFiniteWeightsError
 from ..guard import refuse_save
+from ..restarts.background_save import PendingSave
 from ..restarts.output_lock import publishes_here
 from ..restarts.publishing import publish
 from ..restarts.rotation import rotate_up_to
 from ..runtime.checkpoint_dirs import STAGING_DIR, checked_staging, checkpoint_dir, staging_run_dir
 from ..runtime.finite import all_finite
+from ..runtime.host_staging import stage_to_host
+from .background_checkpoints import announce, saves_in_background
 from .hooks_ran import verify_hooks
 from .run import SafeRun
 
@@ -40,11 +48,14 @@ class CheckpointHooks:
             super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Write the checkpoint to a staging directory, then rename it: never half-written, never non-finite."""
+        """Write the checkpoint to a staging directory, then rename it: never half-written, never non-finite. With
+        `save_in_background=True` only the host copy is made here; the writer thread writes, checks and publishes
+        (`background_checkpoints.py`), and the readers are told once it is published."""
         run = self.safe_run
         guard = run.guard
         if guard is None:
             return super()._save_checkpoint(model, trial)
+        announce(self)  # at most one save in flight: the previous one is published, and announced, first
         step = self.state.global_step
         run.hooks_ran.ran("_save_checkpoint", step)
         if not guard.state_verified():
@@ -54,24 +65,36 @@ class CheckpointHooks:
         run_dir = self._get_output_dir(trial)
         staged, final = checkpoint_dir(staging_run_dir(run_dir), step), checkpoint_dir(run_dir, step)
         checked_staging(run_dir, create=True)  # a real directory of this user's, never a link
+        publishes = publishes_here(self.args, run.output_lock)
+        background = saves_in_background(self, publishes)
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside staging: ours below
-        run.hooks.staging = True
+        run.hooks.staging, run.hooks.deferred = True, [] if background else None
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            run.hooks.staging = False
+            deferred, run.hooks.staging, run.hooks.deferred = run.hooks.deferred, False, None
             self.args.save_total_limit = limit
         verify_hooks(self, "save")  # the Trainer wrote to the staging directory, or the run stops here
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
+        if background:  # the weights, the optimizer and `training_args.bin` are written by the deferred writes
+            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
+            guard.state.save(staged, guard.spikes)  # with the spike window
+            pending = PendingSave(step, staged, final, run_dir, copy.deepcopy(self.state))
+            run.saves.start(pending, [write for _, write in deferred], lambda: [ready() for ready, _ in deferred])
+            return
         self.accelerator.wait_for_everyone()
-        publishes = publishes_here(self.args, run.output_lock)
         if publishes:  # one process per storage: never a node sharing rank 0's (`save_on_each_node`)
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
             if os.path.isfile(os.path.join(staged, TRAINING_ARGS_NAME)):  # saved with `save_total_limit=None`
                 torch.save(self.args, os.path.join(staged, TRAINING_ARGS_NAME))
             guard.state.save(staged, guard.spikes)  # with the spike window
             publish(staged, final)
-        guard.published(final)
+        self._after_published(final, run_dir, step, publishes)
+
+    def _after_published(self, final: str, run_dir: str, step: int, publishes: bool) -> None:
+        """What reads a published checkpoint, in order: the guard, the step record, the hub upload, the rotation."""
+        run = self.safe_run
+        run.guard.published(final)
         self.accelerator.wait_for_everyone()
         run.progress.published(run_dir, step)  # before the upload and the rotation: a kill there keeps it resumable
         if self.args.push_to_hub and not run.hooks.starting_checkpoint:
@@ -80,12 +103,31 @@ class CheckpointHooks:
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
         run.progress.published(run_dir, step)  # again, without the checkpoints the rotation removed
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        deferred = self.safe_run.hooks.deferred if self.safe_run.guard is not None else None
+        if deferred is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # A background save (one process, no DeepSpeed or FSDP): the Trainer's files, the optimizer's written later.
+        staged = stage_to_host(self.optimizer.state_dict(), self.safe_run.saves.buffers.optimizer)
+        path = os.path.join(output_dir, OPTIMIZER_NAME)
+        deferred.append((staged.ready, lambda: torch.save(staged.value, path)))
+        with warnings.catch_warnings(record=True) as caught:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        reissue_pt_warnings(caught)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if self.safe_run.guard is not None and self.args.should_save:
             tensors = state_dict if state_dict is not None else self.model.state_dict()
             if not bool(all_finite(tensors.values())):
                 bad = [k for k, t in tensors.items() if not bool(all_finite([t]))]
                 raise NonFiniteWeightsError(output_dir or self.args.output_dir, bad[:10])
+            deferred = self.safe_run.hooks.deferred
+            if deferred is not None:  # a background save: the host copy now, `save_pretrained` of it later
+                os.makedirs(output_dir, exist_ok=True)  # the Trainer's small files are written there now
+                staged = stage_to_host(tensors, self.safe_run.saves.buffers.model)
+                save = super()._save
+                deferred.append((staged.ready, lambda: save(output_dir, state_dict=staged.value)))
+                return
         super()._save(output_dir, state_dict=state_dict)
 
 

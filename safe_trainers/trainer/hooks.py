@@ -12,7 +12,9 @@ guard touches, and how each keeps its contract:
 * checkpoints and `trainer_state.json`: written to a staging directory (a real directory of this user's, never a
   link), verified finite, then published by renames that leave a complete copy at every point of a crash, fsynced
   (`publishing.py`); the best-model path always names a published checkpoint; `on_save` and hub uploads only ever
-  see published checkpoints.
+  see published checkpoints; a checkpoint written in the background (`save_in_background`) is announced to them on
+  the training thread once published (`background_checkpoints.py`), and before the best model is loaded, a
+  preemption exits and `train()` returns.
 * `save_model` / `push_to_hub`: refuse non-finite weights ([`NonFiniteWeightsError`]).
 * resume: the guard's counters and LR backoff come back from `nan_guard_state.json`; `resume_from_checkpoint=True`
   and a restart by the elastic agent take the newest complete and finite checkpoint (`restarts/resume_plan.py`).
@@ -40,6 +42,7 @@ from ..restarts.publishing import recover_staging
 from ..restarts.resume_plan import record_resume, resolve_run
 from ..runtime.checkpoint_dirs import checkpoint_step
 from . import inspection
+from .background_checkpoints import announce, announce_if_written, training_stops_here
 from .checkpoints import CheckpointHooks
 from .run import ClosedWindow, SafeRun
 from .run_control import after_boundary, after_train, preempted_at_end
@@ -86,7 +89,11 @@ class NanGuardTrainerMixin(CheckpointHooks):
                 ignore_keys_for_eval=ignore_keys_for_eval,
                 **kwargs,
             )
+            if guard is not None:
+                announce(self)  # the last save is published before `train()` returns
         finally:
+            if run.saves is not None:
+                run.saves.close()  # left by an exception: the writer is done before `output_dir` is let go
             if guard is not None:
                 inspection.before_write(self)  # the caller may write the weights next: no snapshot copy in flight
                 after_train(self)  # signal handlers back, watchdog stopped
@@ -98,6 +105,8 @@ class NanGuardTrainerMixin(CheckpointHooks):
         if result is not None and result["global_step"] == output.global_step:
             output = TrainOutput(**result)  # what this call returned before the restart
         preempted = preempted_at_end(self) if guard is not None else None  # the final state published first
+        if preempted is not None:
+            announce(self)
         if run.progress is not None:
             run.progress.finished(output)
         if preempted is not None:
@@ -144,6 +153,7 @@ class NanGuardTrainerMixin(CheckpointHooks):
 
     def _load_best_model(self) -> None:
         if self.safe_run.guard is not None:  # it writes the weights: the last snapshot's copies finish first
+            announce(self)  # and the best checkpoint is published (it may be the one in flight)
             inspection.before_write(self)
         super()._load_best_model()
 
@@ -158,6 +168,7 @@ class NanGuardTrainerMixin(CheckpointHooks):
         run = self.safe_run
         if run.guard is not None:
             run.hooks_ran.ran("_maybe_log_save_evaluate")
+            announce_if_written(self)  # a background save's readers, once it is published
             if self.control.should_save or self.control.should_evaluate:
                 # Right before the Trainer evaluates or saves: verify the state afresh (a callback that runs after
                 # the guard's may have asked for the save or evaluation, or changed the weights since the guard's
@@ -170,6 +181,8 @@ class NanGuardTrainerMixin(CheckpointHooks):
                 # `log({"loss": ...})` from anywhere else leaves the window alone.
                 run.hooks.window = ClosedWindow(run.guard.ledger.close_window())
         super()._maybe_log_save_evaluate(*args, **kwargs)
+        if run.guard is not None and training_stops_here(self):
+            announce(self)  # nothing after the loop (best model, exit, return) reads a checkpoint in flight
         if run.guard is not None:
             after_boundary(self)  # the step every rank stops at for a preemption has saved: exit
 

@@ -35,11 +35,12 @@ from ..upstream.versions import current_versions_note
 CHECKED: tuple[Touchpoint, ...] = tuple(row for row in TOUCHPOINTS if row.check is not None)
 
 # When a row's check applies (its `when`), read from the trainer.
-CONDITIONS: dict[str, Callable[[Any], bool]] = {
-    "resumed": lambda trainer: trainer.safe_run.guard.resumed_from is not None,
-    "vllm": lambda trainer: bool(getattr(trainer.args, "use_vllm", False)),
+# Each reads the trainer and the step checked (a background save's `on_save` comes after later steps).
+CONDITIONS: dict[str, Callable[[Any, int], bool]] = {
+    "resumed": lambda trainer, step: trainer.safe_run.guard.resumed_from is not None,
+    "vllm": lambda trainer, step: bool(getattr(trainer.args, "use_vllm", False)),
     # The guard's `_save_checkpoint` ran at this step and wrote the checkpoint (it did not refuse a damaged state).
-    "saved": lambda trainer: _wrote_checkpoint(trainer.safe_run.hooks_ran, trainer.state.global_step),
+    "saved": lambda trainer, step: _wrote_checkpoint(trainer.safe_run.hooks_ran, step),
 }
 
 
@@ -158,7 +159,7 @@ class HookCheckCallback(TrainerCallback):
             self._verify_once("next_step")
 
     def on_save(self, args, state, control, **kwargs: Any):
-        verify_hooks(self.trainer, "save")
+        verify_hooks(self.trainer, "save", state.global_step)  # the checkpoint's step (`state` as it was saved)
 
     def _dropping(self) -> bool:
         progress = self.trainer.safe_run.progress
@@ -169,15 +170,16 @@ class HookCheckCallback(TrainerCallback):
             verify_hooks(self.trainer, check)
 
 
-def verify_hooks(trainer: Any, check: Check) -> None:
+def verify_hooks(trainer: Any, check: Check, step: int | None = None) -> None:
     """Raise [`UpstreamHookError`] when a hook of `check` did not run in `trainer` (a safe trainer with the guard on);
-    record the check as passed otherwise."""
+    record the check as passed otherwise. `step`: the step checked (default: the trainer's `global_step`)."""
+    step = trainer.state.global_step if step is None else step
     hooks = trainer.safe_run.hooks_ran
     rows = [row for row in CHECKED if row.check == check]
     owners = {row.owner for row in rows if _applies(trainer, row.owner)}
     attributes = {row.name for row in rows if row.kind == "attribute" and hasattr(trainer, row.name)}
-    holds = {name for name, condition in CONDITIONS.items() if condition(trainer)}
-    missing = unran_hooks(rows, check, hooks.steps, attributes, owners, holds, trainer.state.global_step)
+    holds = {name for name, condition in CONDITIONS.items() if condition(trainer, step)}
+    missing = unran_hooks(rows, check, hooks.steps, attributes, owners, holds, step)
     if missing:
         message = hook_error_message(missing, check, current_versions_note())
         raise UpstreamHookError(message, [row.label for row in missing])

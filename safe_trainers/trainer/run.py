@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from transformers.trainer_callback import DefaultFlowCallback
@@ -30,6 +31,8 @@ from transformers.trainer_callback import DefaultFlowCallback
 from ..guard import NanGuard
 from ..guard.backends import state_bytes
 from ..restarts.agents import restart_count
+from ..restarts.background_save import BackgroundSaves
+from ..restarts.checkpoint_choice import checker
 from ..restarts.compile_watch import CompileWatch
 from ..restarts.deadline import Deadline, job_end_time
 from ..restarts.hang_report import hang_exits
@@ -42,6 +45,7 @@ from ..runtime.ports import UNWATCHED
 from .callbacks import (
     CompileWatchCallback, HangWatchdogCallback, NanGuardCallback, PreemptionCallback, StepProgressCallback,
 )  # fmt: skip
+from .background_checkpoints import SaveAwareCallbackHandler
 from .hooks_ran import HookCheckCallback, HooksRan
 from .port import TrainerPort, refuse_unsupported_backend
 
@@ -65,6 +69,8 @@ class HookState:
         window ([`ClosedWindow`] or `None`): closed by `_maybe_log_save_evaluate`, taken by `log`.
         last_finite_total_loss (`float`): the Trainer's last finite running loss total, put back over a NaN one.
         replaying (`bool`): the guard's diagnosis replays a step (`replay.py`): its inputs are not recorded.
+        deferred (`list`, *optional*): during a background save's `_save_checkpoint`, the `(ready, write)` pairs of
+            the files its writer thread writes (`checkpoints.py`); `None` otherwise.
     """
 
     staging: bool = False
@@ -72,6 +78,7 @@ class HookState:
     window: ClosedWindow | None = None
     last_finite_total_loss: float = 0.0
     replaying: bool = False
+    deferred: list[tuple[Callable[[], None], Callable[[], None]]] | None = None
 
 
 @dataclass
@@ -92,6 +99,7 @@ class SafeRun:
         callbacks (`list`): the callbacks that bring the Trainer's loop events to the above, highest `priority`
             first (installed once, `install_callbacks`).
         output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
+        saves ([`BackgroundSaves`], *optional*): the checkpoint writer thread, with `save_in_background=True`.
         callbacks_read_only (`bool`): every callback of the trainer, on every rank, leaves the weights and optimizer
             state alone, so a verification holds until the next step trains (`read_only.py`; set at train start).
     """
@@ -108,6 +116,7 @@ class SafeRun:
     callbacks: list[Any] = field(default_factory=list)
     output_lock: OutputDirLock | None = None
     callbacks_read_only: bool = False
+    saves: BackgroundSaves | None = None
 
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
@@ -138,6 +147,8 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     run.port = TrainerPort()
     run.guard = NanGuard(settings, args, run.port, events, clock=clock, rider=run.preemption)
     main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
+    if settings.save_in_background:
+        run.saves = BackgroundSaves(checker(settings.trusted_checkpoint_globals))
     run.progress = StepProgress(events, args.output_dir, main, can_leave_out=leave_out)
     run.compile_watch = CompileWatch([run.progress] + ([run.watchdog] if run.watchdog is not None else []))
     callbacks = [HookCheckCallback(trainer), NanGuardCallback(trainer), StepProgressCallback(run.progress)]
@@ -155,6 +166,8 @@ def install_callbacks(trainer: Any, run: SafeRun) -> None:
     callbacks = trainer.callback_handler.callbacks
     flow = next((i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), -1)
     callbacks[flow + 1 : flow + 1] = run.callbacks
+    if run.saves is not None:  # `on_save` of a checkpoint written in the background: once it is published
+        trainer.callback_handler = SaveAwareCallbackHandler.taking_over(trainer.callback_handler, run.saves)
 
 
 def can_leave_out_a_step(trainer: Any) -> bool:
