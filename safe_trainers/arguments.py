@@ -7,16 +7,13 @@ has none of these fields; `SafetyArguments.from_config` then returns the default
 
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from .argument_checks import HANG_ACTIONS, ROLLBACK_SOURCES, SAFETY_MODES, validate_safety_arguments
+
 
 SafetyMode = Literal["fix", "warn", "strict", "off"]
-SAFETY_MODES: tuple[str, ...] = ("fix", "warn", "strict", "off")
-HANG_ACTIONS: tuple[str, ...] = ("auto", "exit", "report")  # see `safe_trainers/restarts/hang_report.py`
-ROLLBACK_SOURCES: tuple[str, ...] = ("memory", "checkpoint")
 
 
 @dataclass
@@ -251,59 +248,3 @@ class SafetyArguments:
             setattr(settings, f.name, values.get(f.name, default))
         validate_safety_arguments(settings)
         return settings
-
-
-def validate_safety_arguments(settings: Any) -> None:
-    """Raise a `ValueError` naming the field, the value received and the fix for any invalid safety field, and split
-    a string `safety_disable_rules` or `preempt_signals` into its list. What needs the rules or the signal table (an
-    unknown rule id, an unknown signal) is checked by the safe configs (`configs.py`) and where it is used."""
-    if settings.safety_mode not in SAFETY_MODES:
-        raise ValueError(
-            f"`safety_mode` must be one of {list(SAFETY_MODES)}, got {settings.safety_mode!r}. Use `\"fix\"` (the "
-            "default) to apply and report fixes, or `\"off\"` to disable every rule."
-        )
-    if isinstance(settings.safety_disable_rules, str):
-        settings.safety_disable_rules = [r for r in settings.safety_disable_rules.replace(",", " ").split() if r]
-    if settings.nan_rollback_from not in ROLLBACK_SOURCES:
-        raise ValueError(
-            f"`nan_rollback_from` must be one of {list(ROLLBACK_SOURCES)}, got {settings.nan_rollback_from!r}. Use "
-            "`\"memory\"` (the default) to roll back to a host copy, or `\"checkpoint\"` to roll back to the newest "
-            "verified checkpoint when host memory cannot hold a copy of the weights and optimizer state."
-        )
-    if isinstance(settings.preempt_signals, str):
-        settings.preempt_signals = [s for s in settings.preempt_signals.replace(",", " ").split() if s]
-    checks = [
-        ("hang_action", settings.hang_action in HANG_ACTIONS, f"one of {list(HANG_ACTIONS)}"),
-        ("hang_timeout", math.isfinite(settings.hang_timeout) and settings.hang_timeout >= 0, "a number >= 0 (0 off)"),
-        ("hang_timeout_factor", settings.hang_timeout_factor > 1, "a number > 1"),
-        ("nan_snapshot_steps", settings.nan_snapshot_steps is None or settings.nan_snapshot_steps >= 1,
-         "an integer >= 1"),
-        ("nan_snapshot_budget", math.isfinite(settings.nan_snapshot_budget) and 0 <= settings.nan_snapshot_budget < 1,
-         "a fraction in [0, 1) (0: a fixed interval of `nan_snapshot_steps`)"),
-        ("nan_max_rollbacks", settings.nan_max_rollbacks >= 0, "an integer >= 0"),
-        ("nan_max_consecutive_skips", settings.nan_max_consecutive_skips >= 1, "an integer >= 1"),
-        ("nan_lr_backoff", math.isfinite(settings.nan_lr_backoff) and 0 < settings.nan_lr_backoff <= 1, "in (0, 1]"),
-        ("nan_spike_factor", settings.nan_spike_factor == 0 or settings.nan_spike_factor > 1, "0 (off) or > 1"),
-        ("nan_spike_window", settings.nan_spike_window >= 2, "an integer >= 2"),
-        (
-            "nan_spike_warmup",
-            2 <= settings.nan_spike_warmup <= settings.nan_spike_window,
-            f"an integer from 2 to `nan_spike_window` ({settings.nan_spike_window})",
-        ),
-        ("skip_step_after_crashes", settings.skip_step_after_crashes >= 0, "an integer >= 0 (0 disables)"),
-        ("job_end_time", settings.job_end_time is None or math.isfinite(settings.job_end_time),
-         "a Unix time in seconds (0: no deadline)"),
-        ("job_end_slack", math.isfinite(settings.job_end_slack) and settings.job_end_slack >= 0, "a number >= 0"),
-        ("save_in_background", isinstance(settings.save_in_background, bool), "`True` or `False`"),
-    ]
-    for name, ok, expected in checks:
-        if not ok:
-            raise ValueError(f"`{name}` must be {expected}, got {getattr(settings, name)!r}.")
-    if settings.nan_spike_patience is not None:
-        warnings.warn(
-            f"`nan_spike_patience` is deprecated and has no effect (got {settings.nan_spike_patience!r}): a spiking "
-            "step is now skipped before its update, and `nan_max_consecutive_skips` skipped steps in a row roll "
-            "back. Remove it from your config.",
-            FutureWarning,
-            stacklevel=3,
-        )

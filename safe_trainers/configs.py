@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import trl
 
-from .arguments import SafetyArguments, validate_safety_arguments
+from .argument_checks import validate_safety_arguments
+from .arguments import SafetyArguments
 from .errors import SafetyError
 from .kinds import get_kind
 from .restarts.preemption import parse_signals

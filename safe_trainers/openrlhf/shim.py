@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
-from ..arguments import SAFETY_MODES
+from ..argument_checks import SAFETY_MODES
 from ..rules.engine import run_stage, skipped_findings
 from ..errors import SafetyError
 from ..rules.report import SHIM_OPT_OUT, Finding, SafetyReport
