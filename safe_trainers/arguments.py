@@ -91,7 +91,7 @@ class SafetyArguments:
         `0`: no deadline, whatever the scheduler says. Needs `nan_guard`.
     job_end_slack (`float`, *optional*, defaults to `60.0`):
         Seconds kept free before `job_end_time` beyond the longest step and the save time.
-    save_in_background (`bool`, *optional*, defaults to `False`):
+    save_in_background (`bool`, *optional*, defaults to `True`):
         With `nan_guard`, a checkpoint blocks training only while the state is copied to host memory; its files are
         written, checked (complete, finite) and published by a background thread, and `on_save`, hub uploads,
         rotation and the step record see it once published. `False` writes every checkpoint before training goes
@@ -188,7 +188,7 @@ class SafetyArguments:
     )
 
     save_in_background: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Write each checkpoint in a background thread after copying the state to host memory (training "
             "goes on; `on_save` and uploads see it once published). `False`: write it before training goes on."

@@ -9,10 +9,12 @@ guard's state) are written to the staging directory. A writer thread then:
 3. publishes it (`publishing.py`: sealed with fsync and a marker, then renamed in).
 
 A crash at any point leaves either no sealed copy (removed at the next start) or a sealed, verified one (published at
-the next start): never a published, half-written checkpoint. What reads a published checkpoint (`on_save`, the hub
-upload, the rotation, the step record, the guard's rollback source) is told on the main thread, once the writer is
-done ([`BackgroundSaves.wait`], called by the trainer at a step boundary, before the next save, before the best
-model is loaded, before a preemption's exit and before `train()` returns; `trainer/background_checkpoints.py`).
+the next start): never a published, half-written checkpoint. The step record lists it as soon as it is published (on
+the writer thread), so a crash before the next step boundary resumes from it. What reads a published checkpoint
+(`on_save`, the hub upload, the rotation, the step record, the guard's rollback source) is told on the main thread,
+once the writer is done ([`BackgroundSaves.wait`], called by the trainer at a step boundary, before the next save,
+before the best model is loaded, before a preemption's exit and before `train()` returns;
+`trainer/background_checkpoints.py`).
 
 No collective runs on the writer thread; the writer never touches the live model or optimizer.
 """
@@ -71,10 +73,16 @@ class BackgroundSaves:
     Args:
         problem (`Callable[[str], str | None]`): why a staged copy cannot be resumed from, or `None`
             ([`checkpoint_problem`] with the user's trusted globals).
+        published (`Callable[[str, int], None]`, *optional*): called with `output_dir` and the step on the writer
+            thread right after a save is published (safe to call from that thread): the step record lists it at
+            once, so a crash before its readers are told still resumes from it.
     """
 
-    def __init__(self, problem: Callable[[str], str | None]):
+    def __init__(
+        self, problem: Callable[[str], str | None], published: Callable[[str, int], None] | None = None
+    ):
         self.problem = problem
+        self.published = published
         self.buffers = SaveBuffers()
         self.pending: PendingSave | None = None
         self._thread: threading.Thread | None = None
@@ -134,6 +142,8 @@ class BackgroundSaves:
             if problem is not None:
                 raise CheckpointWriteError(f"`{pending.staged}` was written but cannot be resumed from: {problem}")
             publish(pending.staged, pending.final)
+            if self.published is not None:
+                self.published(pending.run_dir, pending.step)
         except BaseException as error:  # kept for the main thread, which raises it at `wait`
             self._error = error
 

@@ -11,9 +11,9 @@ save before the end ([`deadline_reached`]):
 where `stop_lag` is the steps between a request and the step every rank stops at (0 in one process; 2 under several
 ranks, whose requests ride on the guard's per-step all-reduce and are read back a step later: `preemption.py`), the
 longest step is the longest seen this run, and the save time is the longest measured save (from the end of a step to
-its `on_save`, the guard's check and any evaluation of that step included), or, before the first, the state's bytes
-at [`ASSUMED_WRITE_RATE`]. When it holds, the run stops as for a preemption signal: every rank finishes the same step,
-the guard verifies and publishes it, and `train()` raises `Preempted` (exit status 75); a relaunch with
+its checkpoint's publication, the guard's check and any evaluation of that step included), or, before the first, the
+state's bytes at [`ASSUMED_WRITE_RATE`]. When it holds, the run stops as for a preemption signal: every rank finishes
+the same step, the guard verifies and publishes it, and `train()` raises `Preempted` (exit status 75); a relaunch with
 `resume_from_checkpoint=True` (or a restart) goes on from it. A job without an end time behaves as before.
 """
 
@@ -90,7 +90,7 @@ class Deadline:
         self.longest_step = 0.0
         self.save_seconds: float | None = None  # the longest save measured, `None` before the first
         self._step_began: float | None = None
-        self._step_ended: float | None = None
+        self._save_began: float | None = None
 
     def save_estimate(self) -> float:
         return self.save_seconds if self.save_seconds is not None else self.state_bytes() / ASSUMED_WRITE_RATE
@@ -102,7 +102,7 @@ class Deadline:
         """Training starts (`stop_lag`: see the module docstring): what the run will do, logged when `say` (the main
         process)."""
         self.stop_lag = stop_lag
-        self._step_began = self._step_ended = None
+        self._step_began = self._save_began = None
         now, margin = self.clock(), self.margin()
         said = (
             f"Job ends at {clock_time(self.end)} ({self.source}): the run publishes a checkpoint and exits with "
@@ -124,18 +124,24 @@ class Deadline:
         now = self.clock()
         if self._step_began is not None:
             self.longest_step = max(self.longest_step, now - self._step_began)
-        self._step_began, self._step_ended = None, now
+        self._step_began = None
         return deadline_reached(now, self.end, self.margin())
+
+    def save_began(self) -> None:
+        """The step that just ended saves a checkpoint (its end is where the save's time starts)."""
+        self._save_began = self.clock()
 
     def report(self) -> dict[str, float]:
         """The figures of a stop for the deadline, for its `preempt` event."""
-        return {"job_end": self.end, "seconds_left": round(self.end - self.clock(), 3), "margin": round(self.margin(), 3)}
+        left, margin = round(self.end - self.clock(), 3), round(self.margin(), 3)
+        return {"job_end": self.end, "seconds_left": left, "margin": margin}
 
     def saved(self) -> None:
-        """A checkpoint was saved at this step (`on_save`): time it from the step's end."""
-        if self._step_ended is not None:
-            took = self.clock() - self._step_ended
-            self.save_seconds = max(self.save_seconds or 0.0, took)
+        """The checkpoint begun at [`save_began`] is published (at `on_save`, or on a background save's writer
+        thread as it publishes): time it."""
+        began, self._save_began = self._save_began, None
+        if began is not None:
+            self.save_seconds = max(self.save_seconds or 0.0, self.clock() - began)
 
 
 __all__ = [

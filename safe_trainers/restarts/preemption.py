@@ -226,8 +226,14 @@ class Preemption:
         self.stopping_at = step
         return True
 
+    def save_began(self) -> None:
+        """The step that just ended saves a checkpoint: the deadline times it until [`saved`]."""
+        if self.deadline is not None:
+            self.deadline.save_began()
+
     def saved(self) -> None:
-        """A checkpoint was saved (`on_save`): the deadline learns how long a save takes."""
+        """A checkpoint was published (`on_save`, or a background save's writer thread): the deadline learns how long
+        a save takes."""
         if self.deadline is not None:
             self.deadline.saved()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -47,6 +48,7 @@ class StepProgress:
         self.dropping = False
         self._writer: ProgressWriter | None = None
         self._last: tuple[int, Phase] = (0, "between")
+        self._lock = threading.RLock()  # a background save's writer thread records its publication (`published`)
 
     def start(self, history: History, data: str, step: int = 0) -> None:
         """Called by `train()` with what this process inherits from the run's earlier processes, and the step it
@@ -92,9 +94,10 @@ class StepProgress:
     def published(self, run_dir: str, step: int) -> None:
         """The trainer published `checkpoint-<step>` (and rotated): the record lists the steps of this launch's
         checkpoints still in `run_dir`, the only ones a restart of the launch resumes from."""
-        steps = sorted(set(self.history.checkpoints) | {step})
-        kept = tuple(s for s in steps if os.path.isdir(checkpoint_dir(run_dir, s)))
-        self._update(replace(self.history, checkpoints=kept))
+        with self._lock:  # also called on a background save's writer thread, as it publishes
+            steps = sorted(set(self.history.checkpoints) | {step})
+            kept = tuple(s for s in steps if os.path.isdir(checkpoint_dir(run_dir, s)))
+            self._update(replace(self.history, checkpoints=kept))
 
     def finished(self, output: Any) -> None:
         """`train()` returns `output` (a `TrainOutput`): the record keeps it, for a restart of the launch to return
@@ -107,15 +110,17 @@ class StepProgress:
             self._writer = None
 
     def _update(self, history: History) -> None:
-        self.history = history
-        if self._writer is not None:
-            self._writer.history = history
-            self._save(*self._last)
+        with self._lock:
+            self.history = history
+            if self._writer is not None:
+                self._writer.history = history
+                self._writer.write(*self._last)
 
     def _save(self, step: int, phase: Phase) -> None:
-        self._last = (step, phase)
-        if self._writer is not None:
-            self._writer.write(step, phase)
+        with self._lock:
+            self._last = (step, phase)
+            if self._writer is not None:
+                self._writer.write(step, phase)
 
     def _report(self, step: int, poisoned: Poisoned, accumulation: int) -> None:
         batches = [(step - 1) * accumulation, step * accumulation - 1]

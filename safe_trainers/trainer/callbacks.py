@@ -82,6 +82,8 @@ class PreemptionCallback(TrainerCallback):
         if self.preemption.step_ended(state.global_step, steps_left=state.max_steps - state.global_step):
             control.should_save = True
             control.should_training_stop = True
+        if control.should_save:
+            self.preemption.save_began()
 
     def on_save(self, args, state, control, **kwargs: Any):
         self.preemption.saved()

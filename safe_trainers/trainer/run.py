@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from collections.abc import Callable
 from typing import Any
 
@@ -147,9 +148,9 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     run.port = TrainerPort()
     run.guard = NanGuard(settings, args, run.port, events, clock=clock, rider=run.preemption)
     main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
-    if settings.save_in_background:
-        run.saves = BackgroundSaves(checker(settings.trusted_checkpoint_globals))
     run.progress = StepProgress(events, args.output_dir, main, can_leave_out=leave_out)
+    if settings.save_in_background:
+        run.saves = BackgroundSaves(checker(settings.trusted_checkpoint_globals), partial(published_by_writer, run))
     run.compile_watch = CompileWatch([run.progress] + ([run.watchdog] if run.watchdog is not None else []))
     callbacks = [HookCheckCallback(trainer), NanGuardCallback(trainer), StepProgressCallback(run.progress)]
     callbacks.append(CompileWatchCallback(run.compile_watch))
@@ -159,6 +160,14 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
         callbacks.append(HangWatchdogCallback(run.watchdog))
     run.callbacks = sorted(callbacks, key=lambda callback: -callback.priority)
     return run
+
+
+def published_by_writer(run: SafeRun, run_dir: str, step: int) -> None:
+    """On a background save's writer thread, as it publishes `checkpoint-<step>`: the step record lists it at once
+    (a crash before its readers are told resumes from it) and the deadline learns the save's time."""
+    run.progress.published(run_dir, step)
+    if run.preemption is not None:
+        run.preemption.saved()
 
 
 def install_callbacks(trainer: Any, run: SafeRun) -> None:

@@ -47,7 +47,8 @@ def test_the_deadline_learns_the_longest_step_and_save():
         deadline.step_began()
         now[0] += took
         assert not deadline.step_ended()
-    now[0] += 20.0  # the save at this step's end took 20 s
+    deadline.save_began()  # this step saves: published 20 s after its end
+    now[0] += 20.0
     deadline.saved()
     assert (deadline.longest_step, deadline.save_seconds, deadline.margin()) == (7.0, 20.0, 37.0)
     now[0] = 2000.0 - 37.0
