@@ -39,6 +39,7 @@ EXPECTED_IDS = [
     "grpo.vllm_is_truncation",
     "moe.router_aux_loss",
     "memory.snapshot_fits",
+    "memory.save_copy_fits",
     "generation.ds3_gather",
 ]
 

@@ -16,7 +16,7 @@ from .generation import Ds3Gather
 from .grpo import GroupSize, VllmIsTruncation, VocabSize
 from .kto import KtoBatchAndLabels
 from .logging import ShowNonFinite
-from .memory import SnapshotFits
+from .memory import SaveCopyFits, SnapshotFits
 from .moe import RouterAuxLoss
 from .optim import GradClip, LearningRate
 from .peft import RewardSeqClsLora
@@ -44,6 +44,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     VllmIsTruncation(),
     RouterAuxLoss(),
     SnapshotFits(),
+    SaveCopyFits(),
     Ds3Gather(),
 )
 

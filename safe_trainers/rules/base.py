@@ -29,6 +29,8 @@ class BuiltTrainer:
             it (`"single"`, `"ddp"`, `"fsdp2"`, `"zero1"`..`"zero3"`).
         snapshot_bytes_per_node (`int | None`): host bytes the guard's snapshots of one node's ranks would hold.
         host_memory_available (`int | None`): host memory available when the trainer was built, in bytes.
+        save_copy_bytes (`int | None`): host bytes a background save's copy of the state would hold (every weight and
+            the optimizer's moments; one process only, `None` otherwise).
     """
 
     kind: str
@@ -42,6 +44,7 @@ class BuiltTrainer:
     snapshot_strategy: str | None = None
     snapshot_bytes_per_node: int | None = None
     host_memory_available: int | None = None
+    save_copy_bytes: int | None = None
 
 
 class Rule:

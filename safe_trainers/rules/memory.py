@@ -1,4 +1,5 @@
-"""Memory rule (`memory.*`): the NaN guard's host copy of the training state must fit in host memory."""
+"""Memory rules (`memory.*`): the NaN guard's host copy of the training state, and a background save's, must fit in
+host memory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ from .report import Change, Finding
 # need the rest (data loading, pinned buffers, checkpoint writing, which gathers state on the host too).
 HOST_MEMORY_SHARE = 0.5
 GIB = 2**30
+
+
+def saves_nothing(args) -> bool:
+    """`save_strategy="no"` (a string, or transformers' `SaveStrategy` enum)."""
+    strategy = getattr(args, "save_strategy", "steps")
+    return str(getattr(strategy, "value", strategy)) == "no"
 
 
 class SnapshotFits(Rule):
@@ -44,7 +51,7 @@ class SnapshotFits(Rule):
         if built.snapshot_bytes_per_node is None or built.host_memory_available is None:
             return None
         need, available = built.snapshot_bytes_per_node, built.host_memory_available
-        no_saves = str(getattr(args, "save_strategy", "steps")).endswith("no")
+        no_saves = saves_nothing(args)
         if need <= HOST_MEMORY_SHARE * available:
             return None
         return self.fixed(
@@ -62,3 +69,57 @@ class SnapshotFits(Rule):
 
     def apply_built(self, trainer, finding: Finding) -> None:
         trainer.safety_settings.nan_rollback_from = "checkpoint"
+
+
+class SaveCopyFits(Rule):
+    """A background save's host copy of the state must fit in host memory beside the guard's snapshot, or saves are
+    written synchronously.
+
+    What it changes:
+        `save_in_background` becomes `False` (each checkpoint is written before training goes on, as in TRL) when
+        the copy a background save makes of every weight and the optimizer's moments, with the guard's snapshot when
+        it is kept in memory, would take more than half the host memory available when the trainer is built. Applied
+        to the guard's settings (`trainer.safety_settings`), not to your config.
+
+    Why:
+        a background save copies the state to host memory so that training can go on while the files are written:
+        for a 7B full fine-tune that is ~100 GB on top of the snapshot's ~84 GB. A process killed by the
+        out-of-memory killer loses more than the time a synchronous save blocks.
+
+    Opt out:
+        `safety_disable_rules=["memory.save_copy_fits"]` keeps background saves; `save_in_background=False` turns
+        them off yourself.
+    """
+
+    id = "memory.save_copy_fits"
+    summary = "A background save's host copy must fit in host memory beside the snapshot, else saves are synchronous."
+    rationale = "https://pytorch.org/blog/reducing-checkpointing-times/"  # staging to host memory, then writing
+
+    def check_built(self, built) -> Finding | None:
+        args = built.args
+        if not getattr(args, "nan_guard", True) or not getattr(args, "save_in_background", True):
+            return None
+        if built.save_copy_bytes is None or built.host_memory_available is None:
+            return None
+        if saves_nothing(args):
+            return None
+        share = HOST_MEMORY_SHARE * built.host_memory_available
+        snapshot = built.snapshot_bytes_per_node or 0
+        in_memory = getattr(args, "nan_rollback_from", "memory") == "memory" and snapshot <= share
+        need = built.save_copy_bytes + (snapshot if in_memory else 0)
+        if need <= share:
+            return None
+        return self.fixed(
+            f"A background save copies the weights and optimizer state to host memory (about "
+            f"{built.save_copy_bytes / GIB:,.1f} GiB"
+            + (f", beside the NaN guard's {snapshot / GIB:,.1f} GiB snapshot" if in_memory else "")
+            + f"), more than half of the {built.host_memory_available / GIB:,.1f} GiB of host memory available: "
+            "checkpoints are now written before training goes on (`save_in_background=False`), as in TRL. Free host "
+            "memory and set `safety_disable_rules=[\"memory.save_copy_fits\"]` to keep background saves.",
+            Change("safety_settings.save_in_background", True, False),
+            needed_bytes=need,
+            available_bytes=built.host_memory_available,
+        )
+
+    def apply_built(self, trainer, finding: Finding) -> None:
+        trainer.safety_settings.save_in_background = False

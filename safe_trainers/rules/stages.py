@@ -139,6 +139,10 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
         "snapshot_strategy": strategy,
         "snapshot_bytes_per_node": per_node_bytes(shape),
         "host_memory_available": least_across_ranks(psutil.virtual_memory().available),
+        # A background save (one process) copies every weight and AdamW's two moments per trainable parameter.
+        "save_copy_bytes": sum(p.numel() * p.element_size() for p in params) + 2 * trainable_bytes
+        if strategy == "single"
+        else None,
     }
 
 

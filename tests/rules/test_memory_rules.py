@@ -1,4 +1,5 @@
-"""`memory.snapshot_fits`: the NaN guard rolls back from disk when its host copy would not fit in host memory."""
+"""`memory.snapshot_fits` and `memory.save_copy_fits`: the NaN guard rolls back from disk when its host copy would not fit in
+host memory, and saves are written synchronously when a background save's copy would not fit beside it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from safe_trainers.arguments import SafetyArguments
 from safe_trainers.guard import read_events
 from safe_trainers.guard.rollback.source import rollback_source
 from safe_trainers.rules.snapshot_size import RunShape, per_node_bytes
-from safe_trainers.rules.memory import HOST_MEMORY_SHARE, SnapshotFits
+from safe_trainers.rules.memory import HOST_MEMORY_SHARE, SaveCopyFits, SnapshotFits
 from safe_trainers.rules.report import Change, Finding
 from safe_trainers.rules.stages import built_view
 from safe_trainers.testing.build import build_trainer
@@ -92,3 +93,46 @@ def test_a_typical_full_fine_tune_under_ddp_holds_one_copy_per_node():
     # fits in half of a 256 GiB node and keeps its host copy.
     need = per_node_bytes(RunShape("7B full", 7_000_000_000, 7_000_000_000, "ddp", world_size=8))
     assert 78 < need / GIB < 79 and need <= HOST_MEMORY_SHARE * 256 * GIB
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `memory.save_copy_fits`: background saves only where their host copy fits beside the snapshot
+# ---------------------------------------------------------------------------------------------------------------------
+SAVE_RULE = SaveCopyFits()
+
+
+def test_the_view_measures_a_background_saves_copy(trainer):
+    view = built_view(trainer)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    assert view.save_copy_bytes == 12 * params  # every fp32 weight and AdamW's two fp32 moments
+
+
+@pytest.mark.parametrize("share,fixed", [(HOST_MEMORY_SHARE * 0.99, False), (HOST_MEMORY_SHARE * 1.01, True)])
+def test_saves_turn_synchronous_only_when_the_copy_and_the_snapshot_would_not_fit(trainer, share, fixed):
+    view = built_view(trainer)
+    both = view.save_copy_bytes + view.snapshot_bytes_per_node
+    finding = SAVE_RULE.check_built(dataclasses.replace(view, host_memory_available=int(both / share)))
+    assert (finding is not None) is fixed
+    if fixed:
+        assert [(c.path, c.old, c.new) for c in finding.changes] == [
+            ("safety_settings.save_in_background", True, False)
+        ]
+        assert "snapshot" in finding.message and "memory.save_copy_fits" in finding.message
+
+
+def test_no_finding_without_background_saves_or_checkpoints(trainer):
+    view = built_view(trainer)
+    tight = dataclasses.replace(view, host_memory_available=1)
+    assert SAVE_RULE.check_built(tight) is not None
+    for config in ({"save_in_background": False}, {"save_strategy": "no"}):
+        args = dataclasses.replace(trainer.args, **config)
+        assert SAVE_RULE.check_built(dataclasses.replace(tight, args=args)) is None
+    assert SAVE_RULE.check_built(dataclasses.replace(tight, save_copy_bytes=None)) is None  # several processes
+
+
+def test_the_fix_makes_every_save_synchronous(trainer):
+    view = built_view(trainer)
+    finding = SAVE_RULE.check_built(dataclasses.replace(view, host_memory_available=view.save_copy_bytes))
+    SAVE_RULE.apply_built(trainer, finding)
+    assert trainer.args.save_in_background is True  # the user's config is not touched
+    assert trainer.safety_settings.save_in_background is False
