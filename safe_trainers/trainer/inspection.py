@@ -16,6 +16,7 @@ from typing import Any
 
 from ..guard import Decision, Verdict, rollback_source
 from ..runtime.checkpoint_dirs import checkpoint_dir
+from .background_checkpoints import announce
 from .checkpoint_rollback import load_good_checkpoint
 from .port import training_backend
 from .read_only import callbacks_read_only
@@ -48,6 +49,8 @@ def inspect(trainer: Any, verify: bool = False, snapshot: bool = False, fresh: b
     if judged.replay:
         with guard.clock.paused():  # a replay of the step's micro-batches: not timed with the step
             diagnosis = diagnose(trainer, judged.replay, judged.replay_step)
+    if judged.verdict.rollback is not None and guard.snapshotter.may_load:
+        announce(trainer)  # a rollback that may load a checkpoint sees the one a background save is writing
     decision = guard.settle(judged, diagnosis)
     carry_out(trainer, decision)
     return decision.verdict

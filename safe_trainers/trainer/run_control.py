@@ -17,6 +17,7 @@ from ..restarts.preemption import PREEMPTED_EXIT_CODE, Preempted
 from ..runtime.checkpoint_dirs import checkpoint_step
 from ..runtime.collectives import ranks_with_flag
 from ..runtime.events import RunEvent
+from .background_checkpoints import announce
 
 logger = logging.getLogger("safe_trainers")
 
@@ -63,6 +64,7 @@ def preempted_at_end(trainer: Any) -> Preempted | None:
     saved = hooks.steps.get("_save_checkpoint") == step and hooks.refused_save != step
     if not saved and checkpoint_step(run.guard.resumed_from or "") != step:  # not resumed at the end either
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)  # verified and staged like every checkpoint
+        announce(trainer)  # published (a background save) before the process exits
     name = preemption.requested if preemption.requested is not None else "a signal on another rank"
     detail = {"signal": name, "received_step": preemption.received_step, "checkpoint_step": step, "finished": True}
     run.events.add(RunEvent(step, "preempt", [], ranks, detail))

@@ -160,7 +160,8 @@ class _RemovesCheckpoints(TrainerCallback):
 def test_no_good_state_left_on_disk_stops_the_run_with_a_message(toy_models, tmp_path):
     # The run's checkpoints 0 and 4 are deleted behind its back, then NaN weights at step 6: there is nothing to roll
     # back to. The run stops with `TrainingDivergedError` (never an unhandled error) and an `abort` event.
-    trainer = from_disk("dpo", toy_models, tmp_path, [Fault(step=6, kind="weight")])
+    # Saved synchronously: a background save of checkpoint-4 could be published after the removal at step 5.
+    trainer = from_disk("dpo", toy_models, tmp_path, [Fault(step=6, kind="weight")], save_in_background=False)
     trainer.add_callback(_RemovesCheckpoints(5))
     match = r"no good state to roll back to.*`checkpoint-0`, `checkpoint-4`"
     with pytest.raises(st.TrainingDivergedError, match=match):
