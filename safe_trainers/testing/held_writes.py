@@ -17,10 +17,14 @@ class HeldWrites(BackgroundSaves):
         problem (`Callable[[str], str | None]`): as [`BackgroundSaves`].
         step (`int`): the checkpoint held.
         on_hold (`Callable[[], None]`, *optional*): called on the writer thread when it stops (a test's signal).
+        published (`Callable[[str, int], None]`, *optional*): as [`BackgroundSaves`].
     """
 
-    def __init__(self, problem: Callable[[str], str | None], step: int, on_hold: Callable[[], None] | None = None):
-        super().__init__(problem)
+    def __init__(
+        self, problem: Callable[[str], str | None], step: int, on_hold: Callable[[], None] | None = None,
+        published: Callable[[str, int], None] | None = None,
+    ):  # fmt: skip
+        super().__init__(problem, published)
         self.step = step
         self.on_hold = on_hold
         self.holding = threading.Event()
@@ -40,7 +44,7 @@ class HeldWrites(BackgroundSaves):
 def hold_writes(trainer: Any, step: int, on_hold: Callable[[], None] | None = None) -> HeldWrites:
     """Give `trainer` (a safe trainer with `save_in_background=True`) a writer held at checkpoint `step`."""
     run = trainer.safe_run
-    held = HeldWrites(run.saves.problem, step, on_hold)
+    held = HeldWrites(run.saves.problem, step, on_hold, run.saves.published)
     run.saves = trainer.callback_handler.saves = held
     return held
 

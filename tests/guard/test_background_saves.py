@@ -180,3 +180,20 @@ def test_a_sigkill_during_a_background_write_leaves_the_previous_checkpoint_and_
     restarted.train(resume_from_checkpoint=True)
     assert restarted.nan_guard.resumed_from == os.path.join(out, "checkpoint-2")
     assert checkpoint_steps(out) == [2, 4, 6, 8] and not os.path.exists(os.path.join(out, STAGING_DIR))
+
+
+def test_a_rollback_from_disk_waits_for_the_checkpoint_in_flight(toy_models, tmp_path):
+    # `nan_rollback_from="checkpoint"`: checkpoint-4 is held mid-write for 3 s while steps 5 and 6 train; NaN weights
+    # at step 6. The rollback's source is the newest published checkpoint: it waits for checkpoint-4 (a good state,
+    # verified before it was staged) instead of going back to checkpoint-0.
+    from safe_trainers.guard import read_events
+    from safe_trainers.testing.faults import Fault
+
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), preset="guarded", faults=[Fault(step=6, kind="weight")],
+        nan_rollback_from="checkpoint", save_in_background=True, max_steps=8, save_steps=4,
+    )  # fmt: skip
+    held = hold_writes(trainer, 4, on_hold=lambda: threading.Timer(3.0, held.release).start())
+    trainer.train()
+    [rollback] = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
+    assert rollback["restored_step"] == 4 and held.holding.is_set()
