@@ -4,7 +4,7 @@ For each model size (Qwen2-style, built from a config, stored and loaded in bf16
 LoRA rank 16 on `q_proj` and `v_proj`, PEFT's default for this architecture, the base frozen), it trains the DPO
 workload of `workload.py` three ways, each in a fresh process, so that one run's peak is not another's: stock TRL
 (`trl.DPOTrainer`), `safe_trainers.DPOTrainer` with the guard off (`nan_guard=False`: the rules alone), and with the
-guard on, taking a snapshot after every step (`nan_snapshot_steps=1`, the most often; every snapshot is preceded by
+guard on, taking a snapshot after every step (`nan_snapshot_steps=1, nan_snapshot_budget=0`; each is preceded by
 the full finiteness check). The peak is the process's peak resident memory (`ru_maxrss`) on the CPU, and
 `torch.cuda.max_memory_allocated()` when CUDA is present.
 
@@ -86,7 +86,7 @@ def measure_one(spec: dict) -> dict:
     elif spec["run"] == "safe, guard off":
         kwargs["nan_guard"] = False
     else:
-        kwargs["nan_snapshot_steps"] = 1
+        kwargs.update(nan_snapshot_steps=1, nan_snapshot_budget=0.0)  # exactly every step
     cuda = torch.cuda.is_available()
     ranks = spec.get("ranks", 1)  # the DDP mode: every rank trains its own batches
     trainer = build_trainer(

@@ -131,6 +131,7 @@ def save_abort_checkpoint(trainer: Any, step: int) -> str | None:
     verified); `None` when the save fails: reported, never hiding the divergence behind a save error."""
     try:
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        announce(trainer)  # published, recorded and rotated (a background save) before the run stops
         return checkpoint_dir(trainer._get_output_dir(trial=None), step)
     except Exception as error:
         logger.error(f"NaN guard: could not save the last good state: {error}")

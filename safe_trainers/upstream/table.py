@@ -75,6 +75,10 @@ TRANSFORMERS: tuple[T, ...] = (
     T(TRAINER, "_save", "method", "overrides", "<=4.0", CHECKPOINT_HOOKS,
       "`save_model` refuses non-finite weights (run-time check: none, not every backend saves through it)",
       ("tests/guard/test_final_weights_finite.py::test_save_model_refuses_nonfinite_weights",)),
+    T(TRAINER, "_save_optimizer_and_scheduler", "method", "overrides, calls", "<=4.40 (not bisected)", CHECKPOINT_HOOKS,
+      "background saves: the optimizer's state copied to host memory, `optimizer.pt` written by the writer thread "
+      "(run-time check: the staged copy is checked complete and finite before it is published)",
+      ("tests/guard/test_background_saves.py::test_stock_trainer_resumes_from_a_checkpoint_written_in_the_background",)),
     T(TRAINER, "_load_optimizer_and_scheduler", "method", "overrides, calls", "<=4.0",
       "trainer/hooks.py, trainer/checkpoint_rollback.py",
       "resume: the backed-off learning rate comes back with the optimizer; rollback from disk reloads it",

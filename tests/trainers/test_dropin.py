@@ -149,6 +149,9 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "hang_timeout": 900.0,
         "hang_timeout_factor": 10.0,
         "hang_action": "auto",
+        "job_end_time": None,
+        "job_end_slack": 60.0,
+        "save_in_background": True,
     }
     assert safe_dict == plain.to_dict()
 

@@ -22,7 +22,7 @@ past (a deadline); `--backdate SECONDS` sets the file times of every published c
 that far in the past (shared storage whose clock lags); `--truncate STEP:FILE` cuts `FILE` of `checkpoint-STEP` to half
 its length once it is published, in attempt 0 (a save written in place and interrupted). `--push` uploads to the Hub
 at every save (`push_to_hub=True`, `hub_strategy="every_save"`, the Hub at `HF_ENDPOINT`); `--pause` then waits for the
-uploads begun before it.
+uploads of the saves before it (a background save's too).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from guard_utils import batch_hash  # noqa: E402
 from safe_trainers.testing.build import build_trainer  # noqa: E402
 from safe_trainers.trainers import trainer_class  # noqa: E402
 from safe_trainers.testing.faults import Fault  # noqa: E402
+from safe_trainers.trainer.background_checkpoints import announce  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -138,6 +139,7 @@ class KillingDPOTrainer(trainer_class("dpo")):
             if step in self.pause_steps:
                 self.pause_steps.discard(step)
                 if self.args.push_to_hub:
+                    announce(self)  # a background save of an earlier step is published and uploaded first
                     self._finish_current_push()  # the uploads begun at the saves before the pause are done
                 out = os.path.dirname(self.stream.name)
                 open(os.path.join(out, f"paused-rank{self.args.process_index}"), "w").close()
