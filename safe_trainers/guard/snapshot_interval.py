@@ -174,15 +174,15 @@ class SnapshotInterval:
             return None
         return cost, max(now - mark[0] - cost, 0.0) / (step - mark[1])  # the steps' own time: the snapshots' out
 
-    def decide(self, step: int, figures: tuple[float, float], events: EventLog, estimated: bool = False) -> None:
-        """Choose the interval from the figures agreed across ranks (folded into the running medians, unless
-        `estimated`: then from them alone); record a `snapshot_interval` event at the first decision and whenever the
-        interval changes."""
+    def decide(self, step: int, figures: tuple[float, ...], events: EventLog, estimated: bool = False) -> None:
+        """Choose the interval from the figures agreed across ranks, `(cost, step_time, debt)` (folded into the running
+        medians, unless `estimated`: then from them alone; without `debt`, this rank's own [`debt`]); record a
+        `snapshot_interval` event at the first decision and whenever the interval changes."""
         if not estimated:
             self.costs.append(figures[0])
             self.step_times.append(figures[1])
-        cost, step_time = figures if estimated else (median(self.costs), median(self.step_times))
-        debt = self.debt()
+        cost, step_time = figures[:2] if estimated else (median(self.costs), median(self.step_times))
+        debt = figures[2] if len(figures) > 2 else self.debt()
         chosen = choose_interval(cost + debt, step_time, self.budget, self.lower, self.upper)
         previous, self.steps = self.steps, next_interval(self.steps, chosen)
         if self.decided and self.steps == previous:
@@ -207,7 +207,7 @@ class SnapshotInterval:
         cost, then = first[0] + (source.copy_delay_seconds() or 0.0), first[1]
         cost *= self.held() / then if then else 1.0
         step_time = max(time.perf_counter() - mark[0] - self._host, 0.0) / (step - mark[1])
-        self.decide(step, agreed((cost, step_time), port.device), events, estimated=True)
+        self.decide(step, agreed((cost, step_time, self.debt()), port.device), events, estimated=True)
 
     def debt(self) -> float:
         """The seconds the snapshots so far took beyond the budget's share of the wall time since training started
@@ -224,10 +224,12 @@ class SnapshotInterval:
         figures = self.taken(state.global_step, source.copy_delay_seconds())
         if figures is None or state.global_step >= state.max_steps:
             return
-        self.decide(state.global_step, agreed(figures, port.device), events)
+        # The debt too is agreed: each rank's own is its snapshots' time (a wait for a straggler in a check's
+        # collective included) against its own clock, and ranks that chose different intervals would no longer meet.
+        self.decide(state.global_step, agreed((*figures, self.debt()), port.device), events)
 
 
-def agreed(figures: tuple[float, float], device: Any) -> tuple[float, float]:
+def agreed(figures: tuple[float, ...], device: Any) -> tuple[float, ...]:
     """Every rank's largest of each figure (a collective when distributed; one process: its own, no device trip)."""
     if not distributed():
         return figures

@@ -25,10 +25,6 @@ from safe_trainers.testing.toy import save_toy_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
-DEBT_IS_LOCAL = (
-    "`SnapshotInterval.decide` adds this rank's own `debt()` (its snapshot host time, collective waits included, "
-    "against its own clock) to the agreed figures: ranks given the same agreed figures choose different intervals"
-)
 
 
 class Source:
@@ -51,7 +47,6 @@ def started(tmp_path, name: str, waited: float) -> tuple[SnapshotInterval, Event
     return interval, events
 
 
-@pytest.mark.xfail(strict=True, reason=DEBT_IS_LOCAL)
 def test_ranks_given_the_same_agreed_figures_choose_the_same_interval(tmp_path):
     early, _ = started(tmp_path, "rank0", 0.05)  # waited 50 ms in the first check for the straggler
     late, _ = started(tmp_path, "rank1", 0.0)  # the straggler: no wait
@@ -86,7 +81,6 @@ def launch(tmp_path, *extra: str, timeout: int = 420) -> tuple[list[dict | None]
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=DEBT_IS_LOCAL)
 def test_a_straggler_at_a_snapshot_leaves_the_ranks_on_the_same_interval(tmp_path):
     # Rank 1 is slow once, after step 4's optimizer step (a snapshot step: every 2 at first): rank 0 waits for it in
     # that snapshot's check. Both ranks agree on the figures (the largest: rank 0's cost, the wait included), but only
