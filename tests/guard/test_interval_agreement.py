@@ -16,6 +16,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from net_utils import EXIT_RACE, free_port
 
 from safe_trainers.arguments import SafetyArguments
@@ -35,10 +37,10 @@ class Source:
         return 0.0
 
 
-def started(tmp_path, name: str, waited: float) -> tuple[SnapshotInterval, EventLog]:
+def started(tmp_path, name: str, waited: float, budget: float = 0.01, lower: int | None = None):
     """One rank's interval after its first snapshot, whose check waited `waited` seconds for the other ranks."""
     events = EventLog(str(tmp_path / name), write=False)
-    interval = SnapshotInterval(SafetyArguments(nan_snapshot_budget=0.01))
+    interval = SnapshotInterval(SafetyArguments(nan_snapshot_budget=budget, nan_snapshot_steps=lower))
     interval.start(type("Config", (), {"save_strategy": "steps", "save_steps": 10_000})(), None, say=False)
     state = type("State", (), {"global_step": 0, "max_steps": 1000})()
     with interval.timed():
@@ -55,6 +57,27 @@ def test_ranks_given_the_same_agreed_figures_choose_the_same_interval(tmp_path):
     early.decide(10, figures, EventLog(str(tmp_path / "e0"), write=False))
     late.decide(10, figures, EventLog(str(tmp_path / "e1"), write=False))
     assert early.steps == late.steps == 11  # ceil((1 + 10 ms) / (1% x 100 ms))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    waits=st.tuples(st.floats(0, 0.01), st.floats(0, 0.01)),
+    figures=st.lists(st.tuples(st.floats(0, 1), st.floats(1e-3, 1), st.floats(0, 10)), min_size=1, max_size=4),
+    budget=st.sampled_from([1e-9, 1e-3, 0.01, 0.5]),
+    lower=st.integers(1, 4),
+)
+def test_the_interval_is_a_function_of_the_agreed_figures_alone(tmp_path_factory, waits, figures, budget, lower):
+    # Whatever each rank's own timing (its snapshots' host time, its clock), the same agreed figures give the same
+    # interval on every rank, within the bounds.
+    root = tmp_path_factory.mktemp("ranks")
+    ranks = []
+    for rank, waited in enumerate(waits):
+        interval, events = started(root, f"rank{rank}", waited, budget=budget, lower=lower)
+        for step, agreed in enumerate(figures, start=1):
+            interval.decide(10 * step, agreed, events, estimated=step == 1)
+        ranks.append((interval.steps, [(e.step, e.detail["interval"]) for e in events.events]))
+    assert ranks[0] == ranks[1]
+    assert lower <= ranks[0][0] <= max(lower, 10_000)
 
 
 def launch(tmp_path, *extra: str, timeout: int = 420) -> tuple[list[dict | None], str]:
