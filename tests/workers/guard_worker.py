@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +23,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for guard_utils
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers/, for fsdp_on_cpu
@@ -61,6 +63,9 @@ def parse(argv=None):
     parser.add_argument("--snapshot_steps", type=int, default=0, help="`nan_snapshot_steps` (0: preset's; -1: unset)")
     parser.add_argument("--probe", action="store_true", help="record state digests and snapshot bytes (shard_probe)")
     parser.add_argument("--drop_shard", default=None, help="STEP:RANK: that rank drops its snapshot shard then")
+    parser.add_argument(
+        "--slow_rank", default=None, help="STEP:RANK:SECONDS: that rank sleeps after that step's optimizer step"
+    )
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
 
@@ -74,6 +79,18 @@ def fsdp2_config(state_dict_type: str) -> dict:
         "reshard_after_forward": True,
         "state_dict_type": state_dict_type,
     }
+
+
+class SlowRank(TrainerCallback):
+    """One rank sleeps after one step's optimizer step (a straggler: slower compute, a busy host), so the others
+    reach that step's inspection first and wait for it there."""
+
+    def __init__(self, step: str, rank: str, seconds: str):
+        self.step, self.rank, self.seconds = int(step), int(rank), float(seconds)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if (state.global_step + 1, args.process_index) == (self.step, self.rank):
+            time.sleep(self.seconds)
 
 
 def write_result(out: str, result: dict) -> None:
@@ -137,6 +154,8 @@ def main(argv=None) -> int:
         drop = [int(v) for v in ns.drop_shard.split(":")] if ns.drop_shard else [None, None]
         probe = ShardProbe(trainer, *drop)
         trainer.add_callback(probe)
+    if ns.slow_rank:
+        trainer.add_callback(SlowRank(*ns.slow_rank.split(":")))
     outcome = "finished"
     try:
         trainer.train(resume_from_checkpoint=True if ns.resume == "true" else ns.resume)
