@@ -60,7 +60,10 @@ def carry_out(trainer: Any, decision: Decision) -> None:
     """Do what an inspection decided: restore the last good state (and stop, for an abort), or publish the disk
     source's first good state."""
     guard = trainer.safe_run.guard
-    if decision.publish_good_state:
+    saves = trainer.safe_run.saves
+    # A save still being written in the background is of an earlier good state: it is that state (published before
+    # any rollback loads, `inspect`), or the run stops on its write error.
+    if decision.publish_good_state and not (saves is not None and saves.in_flight):
         publish_good_state(trainer)
     if not decision.restore:
         return

@@ -197,3 +197,29 @@ def test_a_rollback_from_disk_waits_for_the_checkpoint_in_flight(toy_models, tmp
     trainer.train()
     [rollback] = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
     assert rollback["restored_step"] == 4 and held.holding.is_set()
+
+
+def test_a_starting_checkpoint_in_flight_is_the_disk_sources_good_state(toy_models, tmp_path):
+    # `nan_rollback_from="checkpoint"` publishes the starting state as checkpoint-0, in the background; its writer is
+    # held until step 4 ends (30 s at most), so the snapshots of steps 2 and 4 find no published good state yet. They
+    # must not publish their own (checkpoint-0 in flight is the good state); NaN weights at step 6 go back to step 0.
+    from transformers import TrainerCallback
+
+    from safe_trainers.guard import read_events
+    from safe_trainers.testing.faults import Fault
+
+    class ReleaseAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                held.release()
+
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), preset="guarded", faults=[Fault(step=6, kind="weight")],
+        nan_rollback_from="checkpoint", save_in_background=True, max_steps=8, save_steps=100,
+    )  # fmt: skip
+    held = hold_writes(trainer, 0, on_hold=lambda: threading.Timer(30.0, held.release).start())  # never a deadlock
+    trainer.add_callback(ReleaseAt())
+    trainer.train()
+    [rollback] = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
+    assert (rollback["restored_step"], held.holding.is_set()) == (0, True)
+    assert checkpoint_steps(str(tmp_path)) == [0, 8]

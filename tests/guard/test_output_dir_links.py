@@ -6,6 +6,7 @@ and the files the run writes under fixed names are never written through a link 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -32,6 +33,14 @@ class AtStep(TrainerCallback):
             self.action()
 
 
+def _when_gone(path, timeout=120.0):
+    """`path`, once nothing is there any more (waited for up to `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while os.path.lexists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path
+
+
 def _someone_elses_checkpoints(tmp_path):
     """A directory outside `output_dir` holding `checkpoint-*` folders."""
     elsewhere = tmp_path / "elsewhere"
@@ -52,8 +61,8 @@ def test_a_staging_dir_that_is_a_link_is_refused_and_nothing_is_deleted_through_
     )  # fmt: skip
     if planted == "before the run":
         link.symlink_to(elsewhere, target_is_directory=True)
-    else:
-        trainer.add_callback(AtStep(3, lambda: link.symlink_to(elsewhere, target_is_directory=True)))
+    else:  # once checkpoint-2 is published: its staging directory is gone (a background writer may still hold it)
+        trainer.add_callback(AtStep(3, lambda: _when_gone(link).symlink_to(elsewhere, target_is_directory=True)))
     with pytest.raises(FileExistsError, match=rf"`{link}` is a symbolic link \(to `{elsewhere}`\).*Remove it"):
         trainer.train()
     assert sorted(os.listdir(elsewhere)) == ["checkpoint-1", "checkpoint-2"]

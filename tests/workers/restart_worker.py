@@ -152,24 +152,31 @@ class KillingDPOTrainer(trainer_class("dpo")):
 
 
 class DamagesCheckpoints(TrainerCallback):
-    """After each save: backdate the checkpoint's files (`--backdate`), or truncate one of its files (`--truncate`)."""
+    """After each save: backdate the checkpoint's files (`--backdate`). Once `checkpoint-STEP` is published, truncate
+    one of its files (`--truncate`), at the first step boundary after it: a background save publishes when its writer
+    is done, which `on_save` (made at the first boundary after that) may not reach before a `--kill` of a later step."""
 
     def __init__(self, backdate: float, truncate: str):
         self.backdate = backdate
         self.truncate = truncate.split(":") if truncate and ATTEMPT == 0 else None
 
     def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
+        if not state.is_world_process_zero or not self.backdate:
             return
-        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if self.backdate:
-            past = time.time() - self.backdate
-            for root, _, names in os.walk(path):
-                for name in [*names, "."]:
-                    os.utime(os.path.join(root, name), (past, past))
-        if self.truncate is not None and int(self.truncate[0]) == state.global_step:
-            file = os.path.join(path, self.truncate[1])
-            os.truncate(file, os.path.getsize(file) // 2)
+        past = time.time() - self.backdate
+        for root, _, names in os.walk(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")):
+            for name in [*names, "."]:
+                os.utime(os.path.join(root, name), (past, past))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.truncate is None or not state.is_world_process_zero or state.global_step < int(self.truncate[0]):
+            return
+        file = os.path.join(args.output_dir, f"checkpoint-{self.truncate[0]}", self.truncate[1])
+        deadline = time.monotonic() + 120
+        while not os.path.isfile(file) and time.monotonic() < deadline:  # published by the writer thread
+            time.sleep(0.05)
+        os.truncate(file, os.path.getsize(file) // 2)
+        self.truncate = None
 
 
 def expected_stream(trainer, micro_batches: int) -> list[str]:
