@@ -5,7 +5,7 @@ norm, agreed across ranks; a loss or gradient-norm spike joins it), and `apply_s
 `optimizer.step()` so the update is not applied (`step/`). An fp16 loss scaler's overflow is recorded, not a fault.
 
 At inspection points (log, save, evaluation, the last step, each snapshot: `snapshot_interval.py`) the flags are read
-back in one transfer and judged ([`judge`], `policy.py`); [`settle`] decides. A rollback puts back only the weights and
+back in one transfer and judged ([`judge`], `policy.py`); [`settle`] decides. A rollback puts back the weights and
 optimizer state (`rollback/`). The guard holds no trainer: what only the trainer can do, it returns ([`Decision`]).
 """
 
@@ -58,15 +58,15 @@ class NanGuard:
         port ([`GuardPort`]): what the guard reads from the loop while it trains.
         events ([`EventLog`]): the run's event log.
         clock ([`StepClock`], *optional*): what times the steps (the hang watchdog), paused around the guard's copies.
-        rider ([`FlagRider`], *optional*): a flag riding on the per-step all-reduce (the preemption request).
+        riders (`tuple[FlagRider, ...]`): flags riding on the per-step all-reduce (the preemption request, the writers).
     """
 
     def __init__(
         self, settings: Any, config: Any, port: GuardPort, events: EventLog, clock: StepClock = UNWATCHED,
-        rider: FlagRider | None = None,
+        riders: tuple[FlagRider, ...] = (),
     ):  # fmt: skip
         self.settings, self.config, self.port = settings, config, port
-        self.events, self.clock, self.rider = events, clock, rider
+        self.events, self.clock, self.riders = events, clock, riders
         self.ledger, self.batches, self.state, self.rollbacks_this_run = LossLedger(), RecentBatches(), GuardState(), 0
         self.spikes: SpikeWindow | None = None
         self.backend: Backend | None = None  # bound when training starts (`begin`)
@@ -137,7 +137,7 @@ class NanGuard:
         `backend_skipped`: DeepSpeed, which steps inside `backward`, skipped the step itself. `dropped`: the step's
         batches were not trained (a poisoned step, see `restarts/step_progress.py`): a skipped step."""
         step = self.port.state.global_step + 1
-        fault = self.flags.end_step(step, grad_norm, self.port.device, backend_skipped, dropped, self.rider)
+        fault = self.flags.end_step(step, grad_norm, self.port.device, backend_skipped, dropped, self.riders)
         self.batches.end_step(step)
         self.ledger.end_step(fault)
         return fault

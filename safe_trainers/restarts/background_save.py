@@ -1,12 +1,15 @@
 """Checkpoints written in the background: at most one in flight, published by the same renames as a synchronous save.
 
-With `save_in_background=True` (one process, no DeepSpeed or FSDP) a save blocks training only while the state is
-copied to host memory (`runtime/host_staging.py`) and the small files (RNG states, scheduler, trainer state, the
-guard's state) are written to the staging directory. A writer thread then:
+With `save_in_background=True` (one process or DDP; not DeepSpeed or FSDP) a save blocks training only while the
+state is copied to host memory (`runtime/host_staging.py`) and the small files (RNG states, scheduler, trainer state,
+the guard's state) are written to the staging directory. A writer thread then, on the rank that publishes:
 
 1. runs the deferred writes: the model's weights and config (`save_pretrained` of the host copy) and `optimizer.pt`;
 2. checks the staged copy as a resume would (complete, readable, finite: [`checkpoint_problem`]);
 3. publishes it (`publishing.py`: sealed with fsync and a marker, then renamed in).
+
+Under DDP every rank starts the same save (the others only wrote their RNG states; their writer has nothing to do)
+and every rank's readers are told at the same step (`writers_done.py`).
 
 A crash at any point leaves either no sealed copy (removed at the next start) or a sealed, verified one (published at
 the next start): never a published, half-written checkpoint. The step record lists it as soon as it is published (on
@@ -44,6 +47,7 @@ class PendingSave:
         final (`str`): its published name, `<output_dir>/checkpoint-N`.
         run_dir (`str`): `output_dir`.
         state (`Any`): a copy of the `TrainerState` as saved (what `on_save` reads: the step, the best checkpoint).
+        publishes (`bool`): this rank writes the deferred files and publishes (under DDP, the others wait for it).
         on_save_due (`bool`): the Trainer called `on_save` for this save: the callbacks are called once published.
     """
 
@@ -52,6 +56,7 @@ class PendingSave:
     final: str
     run_dir: str
     state: Any
+    publishes: bool = True
     on_save_due: bool = False
 
 
@@ -138,6 +143,8 @@ class BackgroundSaves:
             for write in writes:
                 write()
                 self.written(pending, write)
+            if not pending.publishes:
+                return
             problem = self.problem(pending.staged)
             if problem is not None:
                 raise CheckpointWriteError(f"`{pending.staged}` was written but cannot be resumed from: {problem}")

@@ -85,7 +85,8 @@ def stop_step(agreed: Sequence[tuple[int, bool]], lag: int) -> int | None:
 
 
 class AgreedBits:
-    """The preemption bit of each step, agreed across ranks on the device and read back one step later.
+    """A bit of each step (the preemption request, the checkpoint writers' state), agreed across ranks on the device
+    and read back one step later.
 
     Args:
         device (`torch.device`): the device of the guard's flags.
@@ -94,14 +95,14 @@ class AgreedBits:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.local = torch.zeros((), dtype=torch.bool, device=self.device)
-        self._filled = False
+        self._value = False
         self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
 
-    def local_bit(self, requested: bool) -> torch.Tensor:
-        """This rank's bit for the step closing now (a one-time `fill_` once requested: no transfer, no sync)."""
-        if requested and not self._filled:
-            self.local.fill_(True)
-            self._filled = True
+    def local_bit(self, value: bool) -> torch.Tensor:
+        """This rank's bit for the step closing now (a `fill_` only when it changes: no transfer, no sync)."""
+        if value != self._value:
+            self.local.fill_(value)
+            self._value = value
         return self.local
 
     def agreed(self, step: int, bit: torch.Tensor) -> None:

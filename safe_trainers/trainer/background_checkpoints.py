@@ -23,11 +23,16 @@ the next save (at most one in flight), the end of training, the best model's loa
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import torch
 from transformers.trainer_callback import CallbackHandler
 
-from ..restarts.background_save import BackgroundSaves
+from ..restarts.background_save import BackgroundSaves, CheckpointWriteError
+from ..runtime.collectives import distributed, max_across_ranks, ranks_with_flag
+
+logger = logging.getLogger("safe_trainers")
 
 
 class SaveAwareCallbackHandler(CallbackHandler):
@@ -57,27 +62,49 @@ class SaveAwareCallbackHandler(CallbackHandler):
         return super().on_save(args, state, control)
 
 
-def saves_in_background(trainer: Any, publishes: bool) -> bool:
-    """Whether this save is written in the background: `save_in_background=True`, one process that publishes, and
-    neither DeepSpeed nor FSDP (whose engines write their own sharded state; see `docs/guard.md`)."""
+def saves_in_background(trainer: Any) -> bool:
+    """Whether the saves of this run are written in the background: `save_in_background=True` (agreed across ranks
+    at [`train_began`]), neither DeepSpeed nor FSDP (whose engines write their own sharded state; see
+    `docs/guard.md`). The same answer on every rank."""
+    return trainer.safe_run.saves is not None and not trainer.is_deepspeed_enabled and not trainer.is_fsdp_enabled
+
+
+def train_began(trainer: Any) -> None:
+    """`train()` begins: under several ranks, background saves stay on only if they are on for every rank (a rule
+    may turn them off where a node lacks the host memory), since a save's collectives depend on it."""
     run = trainer.safe_run
-    return (
-        run.saves is not None
-        and publishes
-        and trainer.args.world_size == 1
-        and not trainer.is_deepspeed_enabled
-        and not trainer.is_fsdp_enabled
-    )
+    if run.writers is not None:
+        run.writers.train_began()
+    if distributed():
+        off = torch.tensor([float(run.saves is None)], device=trainer.accelerator.device)
+        if bool(max_across_ranks(off)[0] > 0) and run.saves is not None:
+            logger.warning("Background saves are off on another rank: every rank writes its checkpoints in line.")
+            run.saves = trainer.callback_handler.saves = None
 
 
 def announce(trainer: Any) -> None:
     """Wait for the save in flight, if any, and tell its readers (main thread): the guard, the step record, the hub
-    upload, the rotation, then `on_save` with the state as saved. Raises [`CheckpointWriteError`] when it failed."""
+    upload, the rotation, then `on_save` with the state as saved. Raises [`CheckpointWriteError`] when it failed, on
+    every rank when it failed on one (every rank has the same save in flight and calls this at the same point)."""
     saves = trainer.safe_run.saves
-    pending = saves.wait() if saves is not None else None
-    if pending is None:
+    if saves is None or not saves.in_flight:
         return
-    trainer._after_published(pending.final, pending.run_dir, pending.step, publishes=True)
+    step, error = saves.pending.step, None
+    try:
+        pending = saves.wait()
+    except CheckpointWriteError as failed:
+        pending, error = None, failed
+    if distributed():
+        failed_on = ranks_with_flag(torch.tensor([error is not None], device=trainer.accelerator.device))[0]
+        if failed_on and error is None:
+            raise CheckpointWriteError(
+                f"The background save of checkpoint-{step} failed on rank {failed_on[0]} and was not published (its "
+                "error is in that rank's log). The previous checkpoint stands. Set `save_in_background=False` to "
+                "write checkpoints on the training thread."
+            )
+    if error is not None:
+        raise error
+    trainer._after_published(pending.final, pending.run_dir, pending.step, publishes=pending.publishes)
     if pending.on_save_due:
         due = trainer.control.should_save  # this step's own save, if any, still happens (`on_save` clears it)
         handler = trainer.callback_handler
@@ -86,9 +113,17 @@ def announce(trainer: Any) -> None:
 
 
 def announce_if_written(trainer: Any) -> None:
-    """At a step boundary: tell the readers of a save the writer has finished (never waits for one in flight)."""
-    saves = trainer.safe_run.saves
-    if saves is not None and saves.in_flight and saves.done():
+    """At a step boundary: tell the readers of a save every rank's writer has finished (never waits for one in
+    flight; under several ranks, known from the bits the guard's all-reduce agreed, `restarts/writers_done.py`)."""
+    run = trainer.safe_run
+    saves = run.saves
+    if saves is None:
+        return
+    if distributed():
+        written = run.writers is not None and run.writers.all_done(trainer.state.global_step)
+    else:
+        written = saves.in_flight and saves.done()
+    if written:
         announce(trainer)
 
 
@@ -100,4 +135,7 @@ def training_stops_here(trainer: Any) -> bool:
     return stopping or trainer.control.should_training_stop or state.global_step >= state.max_steps
 
 
-__all__ = ["SaveAwareCallbackHandler", "announce", "announce_if_written", "saves_in_background", "training_stops_here"]
+__all__ = [
+    "SaveAwareCallbackHandler", "announce", "announce_if_written", "saves_in_background", "train_began",
+    "training_stops_here",
+]  # fmt: skip

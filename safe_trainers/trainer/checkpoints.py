@@ -66,9 +66,9 @@ class CheckpointHooks:
         staged, final = checkpoint_dir(staging_run_dir(run_dir), step), checkpoint_dir(run_dir, step)
         checked_staging(run_dir, create=True)  # a real directory of this user's, never a link
         publishes = publishes_here(self.args, run.output_lock)
-        background = saves_in_background(self, publishes)
+        background = saves_in_background(self)  # on every rank alike; only a publishing rank defers its writes
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside staging: ours below
-        run.hooks.staging, run.hooks.deferred = True, [] if background else None
+        run.hooks.staging, run.hooks.deferred = True, [] if background and publishes else None
         try:
             super()._save_checkpoint(model, trial)
         finally:
@@ -77,10 +77,13 @@ class CheckpointHooks:
         verify_hooks(self, "save")  # the Trainer wrote to the staging directory, or the run stops here
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
         if background:  # the weights, the optimizer and `training_args.bin` are written by the deferred writes
-            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
-            guard.state.save(staged, guard.spikes)  # with the spike window
-            pending = PendingSave(step, staged, final, run_dir, copy.deepcopy(self.state))
-            run.saves.start(pending, [write for _, write in deferred], lambda: [ready() for ready, _ in deferred])
+            if publishes:
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
+                guard.state.save(staged, guard.spikes)  # with the spike window
+            self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are staged before publication
+            pending = PendingSave(step, staged, final, run_dir, copy.deepcopy(self.state), publishes)
+            writes = [write for _, write in deferred or ()]
+            run.saves.start(pending, writes, lambda: [ready() for ready, _ in deferred or ()])
             return
         self.accelerator.wait_for_everyone()
         if publishes:  # one process per storage: never a node sharing rank 0's (`save_on_each_node`)
@@ -107,7 +110,7 @@ class CheckpointHooks:
         deferred = self.safe_run.hooks.deferred if self.safe_run.guard is not None else None
         if deferred is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        # A background save (one process, no DeepSpeed or FSDP): the Trainer's files, the optimizer's written later.
+        # A background save on the rank that publishes (no DeepSpeed or FSDP): the optimizer's file written later.
         staged = stage_to_host(self.optimizer.state_dict(), self.safe_run.saves.buffers.optimizer)
         path = os.path.join(output_dir, OPTIMIZER_NAME)
         deferred.append((staged.ready, lambda: torch.save(staged.value, path)))

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..guard import Decision, Verdict, rollback_source
 from ..runtime.checkpoint_dirs import checkpoint_dir
+from . import background_checkpoints
 from .background_checkpoints import announce
 from .checkpoint_rollback import load_good_checkpoint
 from .port import training_backend
@@ -29,6 +30,7 @@ def begin(trainer: Any) -> None:
     """Training starts (`on_train_begin`): the guard binds to the backend and keeps its first good state."""
     run = trainer.safe_run
     run.port.bind(trainer)  # the state, the model and the scheduler of this `train()` call
+    background_checkpoints.train_began(trainer)  # before the starting checkpoint, which may be written in background
     run.callbacks_read_only = callbacks_read_only(trainer.callback_handler.callbacks, trainer.args.device)
     rollback_from, note = rollback_source(trainer.safety_settings, trainer.args, trainer.safety_report)
     if note is not None and trainer.is_world_process_zero():

@@ -41,6 +41,7 @@ from ..restarts.output_lock import OutputDirLock
 from ..restarts.preemption import Preemption, parse_signals
 from ..restarts.step_progress import StepProgress
 from ..restarts.watchdog import HangWatchdog, generation_period
+from ..restarts.writers_done import WritersDone
 from ..runtime.events import EventLog, RunEvent
 from ..runtime.ports import UNWATCHED
 from .callbacks import (
@@ -101,6 +102,7 @@ class SafeRun:
             first (installed once, `install_callbacks`).
         output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
         saves ([`BackgroundSaves`], *optional*): the checkpoint writer thread, with `save_in_background=True`.
+        writers ([`WritersDone`], *optional*): when every rank's writer is done, agreed on the guard's all-reduce.
         callbacks_read_only (`bool`): every callback of the trainer, on every rank, leaves the weights and optimizer
             state alone, so a verification holds until the next step trains (`read_only.py`; set at train start).
     """
@@ -118,6 +120,7 @@ class SafeRun:
     output_lock: OutputDirLock | None = None
     callbacks_read_only: bool = False
     saves: BackgroundSaves | None = None
+    writers: WritersDone | None = None
 
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
@@ -146,11 +149,13 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
         )  # fmt: skip
     clock = run.watchdog if run.watchdog is not None else UNWATCHED
     run.port = TrainerPort()
-    run.guard = NanGuard(settings, args, run.port, events, clock=clock, rider=run.preemption)
-    main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
-    run.progress = StepProgress(events, args.output_dir, main, can_leave_out=leave_out)
     if settings.save_in_background:
         run.saves = BackgroundSaves(checker(settings.trusted_checkpoint_globals), partial(published_by_writer, run))
+        run.writers = WritersDone(lambda: run.saves)
+    riders = tuple(rider for rider in (run.preemption, run.writers) if rider is not None)
+    run.guard = NanGuard(settings, args, run.port, events, clock=clock, riders=riders)
+    main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
+    run.progress = StepProgress(events, args.output_dir, main, can_leave_out=leave_out)
     run.compile_watch = CompileWatch([run.progress] + ([run.watchdog] if run.watchdog is not None else []))
     callbacks = [HookCheckCallback(trainer), NanGuardCallback(trainer), StepProgressCallback(run.progress)]
     callbacks.append(CompileWatchCallback(run.compile_watch))

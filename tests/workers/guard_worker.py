@@ -32,6 +32,7 @@ import safe_trainers as st  # noqa: E402
 from guard_utils import recording  # noqa: E402
 from hook_utils import bypassing  # noqa: E402
 from safe_trainers.errors import UpstreamHookError  # noqa: E402
+from safe_trainers.restarts.background_save import CheckpointWriteError  # noqa: E402
 from safe_trainers.runtime.sharding import replicated  # noqa: E402
 from safe_trainers.testing.build import build_trainer  # noqa: E402
 from safe_trainers.testing.faults import Fault  # noqa: E402
@@ -66,6 +67,9 @@ def parse(argv=None):
     parser.add_argument(
         "--slow_rank", default=None, help="STEP:RANK:SECONDS: that rank sleeps after that step's optimizer step"
     )
+    parser.add_argument("--hold_save", default=None, help="STEP:UNTIL: rank 0's writer holds STEP till UNTIL ends")
+    parser.add_argument("--fail_save", type=int, default=None, help="rank 0's writer fails on checkpoint-STEP")
+    parser.add_argument("--sync_saves", action="store_true", help="`save_in_background=False`")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)
 
@@ -91,6 +95,50 @@ class SlowRank(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         if (state.global_step + 1, args.process_index) == (self.step, self.rank):
             time.sleep(self.seconds)
+
+
+class SaveReaders(TrainerCallback):
+    """Records each `on_save`: the checkpoint's step, the step training was at when it came, whether the checkpoint
+    was published by then."""
+
+    def __init__(self, trainer):
+        self.trainer, self.seen = trainer, []
+
+    def on_save(self, args, state, control, **kwargs):
+        final = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        published = os.path.isfile(os.path.join(final, "trainer_state.json"))
+        self.seen.append([state.global_step, self.trainer.state.global_step, published])
+
+
+def background_writer(trainer, hold: str | None, fail: int | None):
+    """Rank 0's writer held at a checkpoint until a later step ends on rank 0 (`--hold_save`), or failing on one
+    (`--fail_save`)."""
+    from safe_trainers.testing.held_writes import hold_writes
+
+    if trainer.args.process_index != 0 or trainer.safe_run.saves is None:
+        return None
+    if hold:
+        step, until = (int(v) for v in hold.split(":"))
+        held = hold_writes(trainer, step)
+
+        class Release(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == until:
+                    held.release()
+
+        trainer.add_callback(Release())
+        return held
+    held = hold_writes(trainer, fail)
+    held.released.set()
+    original = held.written
+
+    def written(pending, write):
+        original(pending, write)
+        if pending.step == fail:
+            raise OSError(28, "No space left on device (injected)")
+
+    held.written = written
+    return held
 
 
 def write_result(out: str, result: dict) -> None:
@@ -145,6 +193,7 @@ def main(argv=None) -> int:
         **({"learning_rate": ns.learning_rate} if ns.learning_rate is not None else {}),
         **({"nan_snapshot_budget": ns.snapshot_budget} if ns.snapshot_budget is not None else {}),
         **({"nan_snapshot_steps": ns.snapshot_steps if ns.snapshot_steps > 0 else None} if ns.snapshot_steps else {}),
+        **({"save_in_background": False} if ns.sync_saves else {}),
     )
     injector = trainer.fault_injector
     probe = None
@@ -156,6 +205,9 @@ def main(argv=None) -> int:
         trainer.add_callback(probe)
     if ns.slow_rank:
         trainer.add_callback(SlowRank(*ns.slow_rank.split(":")))
+    readers = SaveReaders(trainer)
+    trainer.add_callback(readers)
+    held = background_writer(trainer, ns.hold_save, ns.fail_save) if ns.hold_save or ns.fail_save else None
     outcome = "finished"
     try:
         trainer.train(resume_from_checkpoint=True if ns.resume == "true" else ns.resume)
@@ -163,6 +215,8 @@ def main(argv=None) -> int:
         outcome = f"diverged: {error.checkpoint_dir}"
     except UpstreamHookError as error:  # raised on every rank alike
         outcome = f"stopped: {', '.join(error.hooks)}"
+    except CheckpointWriteError as error:  # raised on every rank alike
+        outcome = f"write failed: {error}"
     if ns.save_final:
         trainer.save_model(os.path.join(ns.out, "final"))  # FULL_STATE_DICT: gathered and written by rank 0
     params = [replicated(p) for p in trainer.model.parameters()]  # FSDP2: the whole parameter on every rank
@@ -183,6 +237,9 @@ def main(argv=None) -> int:
         "rollbacks": trainer.nan_guard.state.rollbacks,
         "spikes": trainer.nan_guard.state.spike_steps,
         "seen": getattr(trainer, "seen", []),
+        "on_save": readers.seen,
+        "held": held is not None and held.holding.is_set(),
+        "background": trainer.safe_run.saves is not None,
         "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
         "state_dict_type": str(getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "state_dict_type", "")),
         "intervals": [e.detail for e in trainer.nan_guard.events.events if e.kind == "snapshot_interval"],

@@ -10,6 +10,7 @@ the guard inspects.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -78,14 +79,14 @@ class StepFlags:
         device: Any,
         optimizer_skipped: bool = False,
         dropped: bool = False,
-        rider: Any = None,
+        riders: Sequence[Any] = (),
     ) -> torch.Tensor:
         """Close step `step`: combine the loss flag with the gradient norm, agree across ranks (one all-reduce), judge
         the spike detector, keep the record, and return the device skip flag (a fault or a spike).
         `optimizer_skipped`: DeepSpeed already skipped this step. `dropped`: every rank left this step's batches
-        untrained (a poisoned step): a fault, whatever the scaler. `rider`: a flag that rides on the same all-reduce
-        (the preemption bit, see `restarts/preemption.py`): its `local_bit(device)` is OR-ed across ranks and handed
-        back, on the device, to its `agreed(step, bit)`."""
+        untrained (a poisoned step): a fault, whatever the scaler. `riders`: flags that ride on the same all-reduce
+        (the preemption bit, `restarts/preemption.py`; the checkpoint writers' bit, `restarts/writers_done.py`): each
+        one's `local_bit(device)` is OR-ed across ranks and handed back, on the device, to its `agreed(step, bit)`."""
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         norm = (
             grad_norm
@@ -98,12 +99,12 @@ class StepFlags:
             norm_bad = norm_bad | torch.tensor(True, device=local.device)
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=local.device)
         judged_loss = torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0)  # a non-finite loss is a fault
-        extra = rider.local_bit(local.device) if rider is not None else None
-        values = [local, norm_bad, judged_loss] + ([extra] if extra is not None else [])
-        # [any rank's loss non-finite, gradient non-finite, the largest rank's loss, (rider's flag)]
+        riding = [(rider, bit) for rider in riders if (bit := rider.local_bit(local.device)) is not None]
+        values = [local, norm_bad, judged_loss] + [bit for _, bit in riding]
+        # [any rank's loss non-finite, gradient non-finite, the largest rank's loss, (the riders' flags)]
         agreed = max_across_ranks(torch.stack([v.float() for v in values]))
-        if extra is not None:
-            rider.agreed(step, agreed[3] > 0)
+        for index, (rider, _) in enumerate(riding, start=3):
+            rider.agreed(step, agreed[index] > 0)
         loss_bad_any, norm_bad_any = agreed[0] > 0, agreed[1] > 0
         if self.loss_scaled:
             fault, overflow = loss_bad_any, norm_bad_any & ~loss_bad_any
