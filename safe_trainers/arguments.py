@@ -95,7 +95,7 @@ class SafetyArguments:
         With `nan_guard`, a checkpoint blocks training only while the state is copied to host memory; its files are
         written, checked (complete, finite) and published by a background thread, and `on_save`, hub uploads,
         rotation and the step record see it once published. `False` writes every checkpoint before training goes
-        on. DeepSpeed, FSDP and runs of several processes always save synchronously.
+        on. Under DDP rank 0 writes and every rank is told at the same step; DeepSpeed and FSDP save synchronously.
     """
 
     safety_mode: SafetyMode = field(

@@ -66,6 +66,7 @@ class SaveBuffers:
 
     model: HostBuffers = field(default_factory=HostBuffers)
     optimizer: HostBuffers = field(default_factory=HostBuffers)
+    prepared: bool = False  # allocated ahead of the first save (`trainer/background_checkpoints.py`)
 
     def release(self) -> None:
         self.model.release()

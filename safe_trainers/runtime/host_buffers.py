@@ -21,6 +21,7 @@ import contextlib
 import copy
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -93,55 +94,98 @@ class HostBuffers:
         self._signature: tuple | None = None
         self._views: list[torch.Tensor] = []
         self._unpin = None
+        self._preparing: tuple[threading.Thread, list] | None = None  # [`prepare`]'s thread and what it allocated
 
     def views(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], pin: bool = False) -> list[torch.Tensor]:
         """A view per `(shape, dtype)` of `specs`, each in its dtype's buffer (reused when `specs` and `pin` are
-        unchanged)."""
+        unchanged; taken from [`prepare`] when it allocated them for this layout)."""
         signature = (pin, *((tuple(shape), dtype) for shape, dtype in specs))
+        if self._preparing is not None:
+            thread, prepared = self._preparing
+            thread.join()
+            self._preparing = None
+            if prepared and prepared[0] == signature and signature != self._signature:
+                self._adopt(prepared)
+                self.allocation_seconds = 0.0  # allocated off the caller's path
+            elif prepared:
+                _unregister(prepared[3])  # a layout that changed since: dropped
         if signature != self._signature:
-            self.release()
-            self.allocations += 1
             began = time.perf_counter()
-            sizes, slots = plan(signature[1:])
-            self.buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
-            if pin:
-                self._pin()  # which maps every page
-            else:
-                for buffer in self.buffers.values():  # map every page now, not in the first copy: its time is a copy's
-                    buffer.zero_()
+            self._adopt(_allocate(signature))
             self.allocation_seconds = time.perf_counter() - began
-            self._views = [self.buffers[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in slots]
-            self._signature = signature
         return self._views
+
+    def _adopt(self, allocation: tuple) -> None:
+        self.release()
+        self.allocations += 1
+        self._signature, self.buffers, self._views, registered = allocation
+        self.pinned = bool(registered)
+        if registered:
+            # Unpinned when released or garbage-collected; the finalizer holds the buffers until then, so their
+            # memory is never freed while registered. Not at exit: the process's memory goes with it.
+            self._unpin = weakref.finalize(self, _unregister, registered)
+            self._unpin.atexit = False
+
+    def prepare(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], pin: bool = False) -> None:
+        """Allocate (and touch, or page-lock) the buffers of a layout on a background thread, so that the first
+        [`views`] for it does not pay for it (a background save's first copy). Does nothing for the layout held."""
+        signature = (pin, *((tuple(shape), dtype) for shape, dtype in specs))
+        if signature == self._signature or self._preparing is not None:
+            return
+        prepared: list = []
+        thread = threading.Thread(
+            target=lambda: prepared.extend(_allocate(signature)), name="safe_trainers-host-buffers", daemon=True
+        )
+        self._preparing = (thread, prepared)
+        thread.start()
 
     def nbytes(self) -> int:
         """The bytes the buffers hold (exactly the bytes of the tensors laid out in them)."""
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def release(self) -> None:
-        """Drop the buffers (unpinning them first, once every queued copy has finished)."""
+        """Drop the buffers (unpinning them first, once every queued copy has finished), and any being prepared."""
+        if self._preparing is not None:
+            thread, prepared = self._preparing
+            thread.join()
+            self._preparing = None
+            if prepared:
+                _unregister(prepared[3])
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
         self.buffers, self._views, self._signature, self.pinned = {}, [], None, False
 
-    def _pin(self) -> None:
-        registered = []
-        for buffer in self.buffers.values():
-            if buffer.numel() and not _register(buffer):
-                _unregister(registered)
-                logger.warning(
-                    "NaN guard: could not page-lock a host buffer of the snapshot (the locked-memory limit, `ulimit "
-                    "-l`?); it stays in pageable memory, so copies to it wait for the device."
-                )
-                return
-            if buffer.numel():
-                registered.append(buffer)
-        self.pinned = bool(registered)
-        # Unpinned when released or garbage-collected; the finalizer holds the buffers until then, so their memory
-        # is never freed while registered. Not at exit: the process's memory goes with it.
-        self._unpin = weakref.finalize(self, _unregister, registered)
-        self._unpin.atexit = False
+
+
+def _allocate(signature: tuple) -> tuple:
+    """The buffers of a layout (`(pin, *(shape, dtype))`), every page mapped now, not in the first copy (whose time is
+    a copy's): `(signature, buffers, views, registered)`, `registered` the buffers page-locked."""
+    pin, specs = signature[0], signature[1:]
+    sizes, slots = plan(specs)
+    buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+    registered = _pin(buffers) if pin else []
+    if not registered:
+        for buffer in buffers.values():
+            buffer.zero_()
+    views = [buffers[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in slots]
+    return signature, buffers, views, registered
+
+
+def _pin(buffers: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+    """Page-lock `buffers` in place (which maps every page); the buffers locked (none when the runtime refused)."""
+    registered = []
+    for buffer in buffers.values():
+        if buffer.numel() and not _register(buffer):
+            _unregister(registered)
+            logger.warning(
+                "NaN guard: could not page-lock a host buffer of the snapshot (the locked-memory limit, `ulimit "
+                "-l`?); it stays in pageable memory, so copies to it wait for the device."
+            )
+            return []
+        if buffer.numel():
+            registered.append(buffer)
+    return registered
 
 
 def _register(buffer: torch.Tensor) -> bool:

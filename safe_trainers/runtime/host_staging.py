@@ -40,6 +40,31 @@ def _memory_key(tensor: torch.Tensor) -> tuple:
     return (storage, tensor.device, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
 
 
+def _distinct(value: Any) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct tensors of `value` (shared memory once) and, for each of its tensors, the index of its own."""
+    index: dict[tuple, int] = {}
+    distinct: list[torch.Tensor] = []
+    slots = []
+    for tensor in (local(t).detach() for t in tensors(value)):
+        key = _memory_key(tensor)
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(tensor)
+        slots.append(index[key])
+    return distinct, slots
+
+
+def _layout(distinct: list[torch.Tensor]) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], bool]:
+    return [(tuple(t.shape), t.dtype) for t in distinct], any(t.is_cuda for t in distinct)
+
+
+def prepare_staging(value: Any, buffers: HostBuffers) -> None:
+    """Allocate `buffers` for `value`'s layout on a background thread ([`HostBuffers.prepare`]), so that the first
+    [`stage_to_host`] of a state with that layout is a plain copy."""
+    specs, on_cuda = _layout(_distinct(value)[0])
+    buffers.prepare(specs, pin=on_cuda)
+
+
 def stage_to_host(value: Any, buffers: HostBuffers) -> StagedState:
     """Copy every tensor of `value` into `buffers` (one view per distinct tensor; shared memory stays shared).
 
@@ -48,18 +73,9 @@ def stage_to_host(value: Any, buffers: HostBuffers) -> StagedState:
         buffers ([`HostBuffers`]): reused from one save to the next while the layout holds; the previous copies must
             no longer be read (the previous save was written).
     """
-    leaves = [local(t).detach() for t in tensors(value)]
-    index: dict[tuple, int] = {}
-    distinct: list[torch.Tensor] = []
-    slots = []
-    for tensor in leaves:
-        key = _memory_key(tensor)
-        if key not in index:
-            index[key] = len(distinct)
-            distinct.append(tensor)
-        slots.append(index[key])
-    on_cuda = any(t.is_cuda for t in distinct)
-    views = buffers.views([(tuple(t.shape), t.dtype) for t in distinct], pin=on_cuda)
+    distinct, slots = _distinct(value)
+    specs, on_cuda = _layout(distinct)
+    views = buffers.views(specs, pin=on_cuda)
     copies = [queue_host_copy(view, tensor) for view, tensor in zip(views, distinct)]
     order = iter(slots)
     staged = map_tensors(value, lambda _: copies[next(order)], copy.deepcopy)
@@ -70,4 +86,4 @@ def stage_to_host(value: Any, buffers: HostBuffers) -> StagedState:
     return StagedState(staged, event.synchronize)
 
 
-__all__ = ["StagedState", "stage_to_host"]
+__all__ = ["StagedState", "prepare_staging", "stage_to_host"]

@@ -30,7 +30,10 @@ import torch
 from transformers.trainer_callback import CallbackHandler
 
 from ..restarts.background_save import BackgroundSaves, CheckpointWriteError
+from ..restarts.output_lock import publishes_here
+from ..rules.memory import saves_nothing
 from ..runtime.collectives import distributed, max_across_ranks, ranks_with_flag
+from ..runtime.host_staging import prepare_staging
 
 logger = logging.getLogger("safe_trainers")
 
@@ -127,6 +130,22 @@ def announce_if_written(trainer: Any) -> None:
         announce(trainer)
 
 
+def prepare_buffers(trainer: Any) -> None:
+    """After the first optimizer step of a run that saves (the optimizer's moments exist): allocate the host buffers
+    of the background save on a thread, so that the first save blocks only for its copy, as every later one
+    (`HostBuffers.prepare`). Once; on the ranks that write."""
+    run = trainer.safe_run
+    saves = run.saves
+    if saves is None or saves.buffers.prepared or trainer.state.global_step < 1 or not saves_in_background(trainer):
+        return
+    saves.buffers.prepared = True
+    if saves_nothing(trainer.args) or not publishes_here(trainer.args, run.output_lock):
+        return
+    prepare_staging(trainer.model.state_dict(), saves.buffers.model)
+    if not trainer.args.save_only_model:
+        prepare_staging(trainer.optimizer.state_dict(), saves.buffers.optimizer)
+
+
 def training_stops_here(trainer: Any) -> bool:
     """Whether the loop ends after this step boundary (the last step, a stop a callback asked for, a preemption's
     stopping step): a save in flight is published and announced before anything after it reads a checkpoint."""
@@ -136,6 +155,6 @@ def training_stops_here(trainer: Any) -> bool:
 
 
 __all__ = [
-    "SaveAwareCallbackHandler", "announce", "announce_if_written", "saves_in_background", "train_began",
+    "SaveAwareCallbackHandler", "announce", "announce_if_written", "prepare_buffers", "saves_in_background", "train_began",
     "training_stops_here",
 ]  # fmt: skip

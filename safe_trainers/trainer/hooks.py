@@ -42,7 +42,7 @@ from ..restarts.publishing import recover_staging
 from ..restarts.resume_plan import record_resume, resolve_run
 from ..runtime.checkpoint_dirs import checkpoint_step
 from . import inspection
-from .background_checkpoints import announce, announce_if_written, training_stops_here
+from .background_checkpoints import announce, announce_if_written, prepare_buffers, training_stops_here
 from .checkpoints import CheckpointHooks
 from .run import ClosedWindow, SafeRun
 from .run_control import after_boundary, after_train, preempted_at_end
@@ -167,6 +167,7 @@ class NanGuardTrainerMixin(CheckpointHooks):
         if run.guard is not None:
             run.hooks_ran.ran("_maybe_log_save_evaluate")
             announce_if_written(self)  # a background save's readers, once it is published
+            prepare_buffers(self)  # once, after the first step: the first save's host buffers, off this thread
             if self.control.should_save or self.control.should_evaluate:
                 # Right before the Trainer evaluates or saves: verify the state afresh (a callback that runs after
                 # the guard's may have asked for the save or evaluation, or changed the weights since the guard's

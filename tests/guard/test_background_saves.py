@@ -223,3 +223,16 @@ def test_a_starting_checkpoint_in_flight_is_the_disk_sources_good_state(toy_mode
     [rollback] = [e for e in read_events(str(tmp_path)) if e["kind"] == "rollback"]
     assert (rollback["restored_step"], held.holding.is_set()) == (0, True)
     assert checkpoint_steps(str(tmp_path)) == [0, 8]
+
+
+def test_the_first_background_save_finds_its_host_buffers_ready(toy_models, tmp_path):
+    # Allocated on a thread after the first step (the optimizer's moments exist), not on the first save's path.
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), preset="guarded", save_in_background=True, max_steps=8,
+        save_steps=4,
+    )  # fmt: skip
+    trainer.train()
+    buffers = trainer.safe_run.saves.buffers
+    for held in (buffers.model, buffers.optimizer):
+        assert (held.allocations, held.allocation_seconds, held.nbytes() > 0) == (1, 0.0, True)
+    assert checkpoint_steps(str(tmp_path)) == [4, 8]

@@ -84,6 +84,22 @@ def test_buffers_are_allocated_once_and_reused_while_the_layout_holds():
     assert all(torch.equal(third[k], v) for k, v in params.items())
 
 
+def test_buffers_prepared_on_a_thread_are_taken_by_the_first_copy_of_their_layout():
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3), "h": torch.randn(2, dtype=torch.bfloat16)}
+    buffers = HostBuffers()
+    buffers.prepare([(tuple(t.shape), t.dtype) for t in params.values()])
+    copied = copy_to_host(params, buffers)
+    assert (buffers.allocations, buffers.allocation_seconds) == (1, 0.0)  # allocated off the copy's path
+    assert all(torch.equal(copied[k], v) for k, v in params.items())
+    # Prepared for a layout that changed before the first copy: dropped, and the copy allocates its own.
+    stale = HostBuffers()
+    stale.prepare([((7,), torch.float32)])
+    copied = copy_to_host(params, stale)
+    assert stale.allocations == 1 and stale.allocation_seconds > 0.0
+    assert stale.nbytes() == sum(t.numel() * t.element_size() for t in params.values())
+    assert all(torch.equal(copied[k], v) for k, v in params.items())
+
+
 def test_restore_copies_into_the_live_tensor_and_keeps_its_device_and_dtype():
     param = torch.nn.Parameter(torch.randn(4, 3))
     host = copy_to_host({"exp_avg": torch.randn(4, 3), "step": torch.tensor(7.0)}, HostBuffers())
