@@ -155,6 +155,6 @@ def training_stops_here(trainer: Any) -> bool:
 
 
 __all__ = [
-    "SaveAwareCallbackHandler", "announce", "announce_if_written", "prepare_buffers", "saves_in_background", "train_began",
-    "training_stops_here",
+    "SaveAwareCallbackHandler", "announce", "announce_if_written", "prepare_buffers", "saves_in_background",
+    "train_began", "training_stops_here",
 ]  # fmt: skip
