@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..runtime.finite import any_nonfinite
-from ..runtime.host_buffers import HostArena
+from ..runtime.host_arena import HostArena
 from ..runtime.nested import map_tensors, tensors
 
 

@@ -64,8 +64,8 @@ class PendingSave:
 class SaveBuffers:
     """The host buffers a background save copies into, reused from one save to the next (touched once)."""
 
-    model: HostBuffers = field(default_factory=HostBuffers)
-    optimizer: HostBuffers = field(default_factory=HostBuffers)
+    model: HostBuffers = field(default_factory=lambda: HostBuffers(separate=True))
+    optimizer: HostBuffers = field(default_factory=lambda: HostBuffers(separate=True))
     prepared: bool = False  # allocated ahead of the first save (`trainer/background_checkpoints.py`)
 
     def release(self) -> None:

@@ -90,19 +90,23 @@ class Deadline:
         self.longest_step = 0.0
         self.save_seconds: float | None = None  # the longest save measured, `None` before the first
         self._step_began: float | None = None
-        self._save_began: float | None = None
+        self._saves_began: dict[int, float] = {}  # the saves begun and not yet published, by step
 
     def save_estimate(self) -> float:
         return self.save_seconds if self.save_seconds is not None else self.state_bytes() / ASSUMED_WRITE_RATE
 
     def margin(self) -> float:
-        return margin_seconds(self.longest_step, self.save_estimate(), self.slack, self.stop_lag)
+        """The time the stop needs: its steps, its save, and what is left of a save still being written in the
+        background (the stopping step's save waits for it)."""
+        estimate, now = self.save_estimate(), self.clock()
+        in_flight = sum(max(0.0, estimate - (now - began)) for began in list(self._saves_began.values()))
+        return margin_seconds(self.longest_step, estimate, self.slack, self.stop_lag) + in_flight
 
     def train_began(self, stop_lag: int, say: bool = True) -> str:
         """Training starts (`stop_lag`: see the module docstring): what the run will do, logged when `say` (the main
         process)."""
         self.stop_lag = stop_lag
-        self._step_began = self._save_began = None
+        self._step_began, self._saves_began = None, {}
         now, margin = self.clock(), self.margin()
         said = (
             f"Job ends at {clock_time(self.end)} ({self.source}): the run publishes a checkpoint and exits with "
@@ -127,19 +131,19 @@ class Deadline:
         self._step_began = None
         return deadline_reached(now, self.end, self.margin())
 
-    def save_began(self) -> None:
-        """The step that just ended saves a checkpoint (its end is where the save's time starts)."""
-        self._save_began = self.clock()
+    def save_began(self, step: int) -> None:
+        """Step `step`, which just ended, saves a checkpoint (its end is where the save's time starts)."""
+        self._saves_began[step] = self.clock()
 
     def report(self) -> dict[str, float]:
         """The figures of a stop for the deadline, for its `preempt` event."""
         left, margin = round(self.end - self.clock(), 3), round(self.margin(), 3)
         return {"job_end": self.end, "seconds_left": left, "margin": margin}
 
-    def saved(self) -> None:
-        """The checkpoint begun at [`save_began`] is published (at `on_save`, or on a background save's writer
-        thread as it publishes): time it."""
-        began, self._save_began = self._save_began, None
+    def saved(self, step: int) -> None:
+        """The checkpoint of `step` begun at [`save_began`] is published (at `on_save`, or on a background save's
+        writer thread as it publishes; a later save may have begun meanwhile): time it."""
+        began = self._saves_began.pop(step, None)
         if began is not None:
             self.save_seconds = max(self.save_seconds or 0.0, self.clock() - began)
 

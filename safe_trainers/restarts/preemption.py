@@ -227,16 +227,16 @@ class Preemption:
         self.stopping_at = step
         return True
 
-    def save_began(self) -> None:
-        """The step that just ended saves a checkpoint: the deadline times it until [`saved`]."""
+    def save_began(self, step: int) -> None:
+        """Step `step`, which just ended, saves a checkpoint: the deadline times it until [`saved`]."""
         if self.deadline is not None:
-            self.deadline.save_began()
+            self.deadline.save_began(step)
 
-    def saved(self) -> None:
-        """A checkpoint was published (`on_save`, or a background save's writer thread): the deadline learns how long
-        a save takes."""
+    def saved(self, step: int) -> None:
+        """The checkpoint of `step` was published (`on_save`, or a background save's writer thread): the deadline
+        learns how long a save takes."""
         if self.deadline is not None:
-            self.deadline.saved()
+            self.deadline.saved(step)
 
     # ------------------------------------------------------------------ exit
     def exit_if_stopping(self, state: Any, device: Any) -> None:

@@ -29,8 +29,8 @@ class BuiltTrainer:
             it (`"single"`, `"ddp"`, `"fsdp2"`, `"zero1"`..`"zero3"`).
         snapshot_bytes_per_node (`int | None`): host bytes the guard's snapshots of one node's ranks would hold.
         host_memory_available (`int | None`): host memory available when the trainer was built, in bytes.
-        save_copy_bytes (`int | None`): host bytes a background save's copy of the state would hold (every weight and
-            the optimizer's moments; one process only, `None` otherwise).
+        save_copy_bytes (`int | None`): host bytes a background save's copy of the state would hold (the weights
+            `save_pretrained` writes and the optimizer's moments; one process or DDP's rank 0, `None` otherwise).
     """
 
     kind: str

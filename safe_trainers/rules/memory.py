@@ -77,9 +77,10 @@ class SaveCopyFits(Rule):
 
     What it changes:
         `save_in_background` becomes `False` (each checkpoint is written before training goes on, as in TRL) when
-        the copy a background save makes of every weight and the optimizer's moments, with the guard's snapshot when
-        it is kept in memory, would take more than half the host memory available when the trainer is built. Applied
-        to the guard's settings (`trainer.safety_settings`), not to your config.
+        the copy a background save makes of the weights it writes (a PEFT model's adapters only) and the optimizer's
+        moments, with the guard's snapshot when it is kept in memory, would take more than half the host memory
+        available when the trainer is built. Applied to the guard's settings (`trainer.safety_settings`), not to
+        your config.
 
     Why:
         a background save copies the state to host memory so that training can go on while the files are written:

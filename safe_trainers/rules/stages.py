@@ -110,6 +110,7 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
     available now (read from the built trainer and the machine: the action side of a pure check)."""
     import psutil
 
+    from ..runtime.saved_weights import written_bytes
     from .snapshot_size import RunShape, per_node_bytes
 
     params = list(trainer.model.parameters())
@@ -139,10 +140,11 @@ def snapshot_facts(trainer: Any) -> dict[str, Any]:
         "snapshot_strategy": strategy,
         "snapshot_bytes_per_node": per_node_bytes(shape),
         "host_memory_available": least_across_ranks(psutil.virtual_memory().available),
-        # A background save (one process) copies every weight and AdamW's two moments per trainable parameter.
-        "save_copy_bytes": sum(p.numel() * p.element_size() for p in params) + 2 * trainable_bytes
-        if strategy == "single"
-        else None,
+        # A background save (one process, or rank 0 under DDP) copies what `save_pretrained` writes (a PEFT model's
+        # adapters only) and AdamW's two moments per trainable parameter.
+        "save_copy_bytes": (
+            written_bytes(trainer.model) + 2 * trainable_bytes if strategy in ("single", "ddp") else None
+        ),
     }
 
 

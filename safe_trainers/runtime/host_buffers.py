@@ -11,8 +11,8 @@ run on a side stream (`copy_stream.py`, through `copy_to_host`'s `stream`); buff
 behind the previous ones on the same stream, and unpinned only after a device synchronisation (`release`).
 
 Two ways to get a destination, one way to copy into it: [`HostBuffers`] for a fixed list of shapes (the snapshot,
-through [`copy_to_host`]), [`HostArena`] for shapes that change from one use to the next (micro-batches); both copy
-through [`queue_host_copy`].
+through [`copy_to_host`]; a background save's staging, `host_staging.py`), `HostArena` for shapes that change from one
+use to the next (micro-batches, `host_arena.py`); both copy through [`queue_host_copy`].
 """
 
 from __future__ import annotations
@@ -84,10 +84,17 @@ class HostBuffers:
     With `pin=True` (tensors copied from a CUDA device) the buffers are page-locked, for non-blocking copies; when
     the CUDA runtime refuses (a locked-memory limit) they stay pageable, with a warning, and copies wait for the
     device.
+
+    Args:
+        separate (`bool`, *optional*, defaults to `False`): one exactly sized buffer per tensor instead of per dtype,
+            for copies that are written to files as they are (a background save): `save_pretrained` takes tensors
+            that share a storage for tied weights, and `torch.save` writes the storages, so the files match a
+            synchronous save's.
     """
 
-    def __init__(self):
-        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+    def __init__(self, separate: bool = False):
+        self.separate = separate  # each tensor in a storage of its own (see the class docstring)
+        self.buffers: dict[Any, torch.Tensor] = {}
         self.pinned = False
         self.allocations = 0  # how many times [`views`] allocated (a new layout): a one-time cost, not a copy's
         self.allocation_seconds = 0.0  # the host time the last allocation took (its pages touched or page-locked)
@@ -111,7 +118,7 @@ class HostBuffers:
                 _unregister(prepared[3])  # a layout that changed since: dropped
         if signature != self._signature:
             began = time.perf_counter()
-            self._adopt(_allocate(signature))
+            self._adopt(_allocate(signature, self.separate))
             self.allocation_seconds = time.perf_counter() - began
         return self._views
 
@@ -133,9 +140,8 @@ class HostBuffers:
         if signature == self._signature or self._preparing is not None:
             return
         prepared: list = []
-        thread = threading.Thread(
-            target=lambda: prepared.extend(_allocate(signature)), name="safe_trainers-host-buffers", daemon=True
-        )
+        allocate = lambda: prepared.extend(_allocate(signature, self.separate))  # noqa: E731
+        thread = threading.Thread(target=allocate, name="safe_trainers-host-buffers", daemon=True)
         self._preparing = (thread, prepared)
         thread.start()
 
@@ -158,21 +164,27 @@ class HostBuffers:
 
 
 
-def _allocate(signature: tuple) -> tuple:
+def _allocate(signature: tuple, separate: bool = False) -> tuple:
     """The buffers of a layout (`(pin, *(shape, dtype))`), every page mapped now, not in the first copy (whose time is
-    a copy's): `(signature, buffers, views, registered)`, `registered` the buffers page-locked."""
+    a copy's): `(signature, buffers, views, registered)`, `registered` the buffers page-locked. `separate`: a buffer
+    per tensor, else per dtype."""
     pin, specs = signature[0], signature[1:]
-    sizes, slots = plan(specs)
-    buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+    if separate:
+        buffers = {i: torch.empty(shape, dtype=dtype) for i, (shape, dtype) in enumerate(specs)}
+    else:
+        sizes, slots = plan(specs)
+        buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
     registered = _pin(buffers) if pin else []
     if not registered:
         for buffer in buffers.values():
             buffer.zero_()
+    if separate:
+        return signature, buffers, list(buffers.values()), registered
     views = [buffers[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in slots]
     return signature, buffers, views, registered
 
 
-def _pin(buffers: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+def _pin(buffers: dict[Any, torch.Tensor]) -> list[torch.Tensor]:
     """Page-lock `buffers` in place (which maps every page); the buffers locked (none when the runtime refused)."""
     registered = []
     for buffer in buffers.values():
@@ -225,60 +237,6 @@ def _unregister(buffers: list[torch.Tensor]) -> None:
     buffers.clear()
 
 
-class HostArena:
-    """Host copies of tensors whose shapes change from one use to the next (micro-batches), all dropped together by
-    [`reset`]: one buffer per dtype (pinned for copies from a CUDA device), carved in order.
-
-    A copy that does not fit gets a buffer of its own, exactly sized; at the next reset the dtype's buffer is
-    reallocated to exactly the largest total seen between two resets, so after the first windows the arena holds
-    one buffer per dtype, allocated once and reused.
-    """
-
-    def __init__(self):
-        self.main = HostBuffers()
-        self.capacity: dict[torch.dtype, int] = {}
-        self.used: dict[torch.dtype, int] = {}
-        self.demand: dict[torch.dtype, int] = {}
-        self.overflow: list[HostBuffers] = []
-        self.pin = False
-
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of `tensor`; from a CUDA device it is queued without blocking (read it after a host sync)."""
-        dtype, n = tensor.dtype, tensor.numel()
-        self.pin = tensor.is_cuda
-        start = self.used.get(dtype, 0)
-        self.demand[dtype] = self.demand.get(dtype, 0) + n
-        if dtype in self.capacity and start + n <= self.capacity[dtype]:  # an empty tensor of a new dtype: no buffer
-            self.used[dtype] = start + n
-            view = self.main.buffers[dtype][start : start + n].view(tensor.shape)
-        else:
-            extra = HostBuffers()
-            self.overflow.append(extra)
-            view = extra.views([(tuple(tensor.shape), dtype)], pin=self.pin)[0]
-        return queue_host_copy(view, tensor)
-
-    def reset(self) -> None:
-        """Drop every copy (their views must no longer be read); grow the buffers if some copy did not fit."""
-        if self.overflow:
-            for extra in self.overflow:
-                extra.release()
-            self.overflow = []
-            dtypes = {*self.capacity, *self.demand}
-            self.capacity = {d: max(self.capacity.get(d, 0), self.demand.get(d, 0)) for d in dtypes}
-            self.main.views([((n,), d) for d, n in self.capacity.items()], pin=self.pin)
-        self.used, self.demand = {}, {}
-
-    def nbytes(self) -> int:
-        """The bytes held: the buffers and the copies that did not fit."""
-        return self.main.nbytes() + sum(extra.nbytes() for extra in self.overflow)
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is a view of one of the arena's buffers."""
-        storage = tensor.untyped_storage().data_ptr()
-        buffers = [*self.main.buffers.values(), *(b for extra in self.overflow for b in extra.buffers.values())]
-        return any(b.untyped_storage().data_ptr() == storage for b in buffers)
-
-
 def copy_to_host(value: Any, buffers: HostBuffers, stream: Any = None) -> Any:
     """A host copy of a nested structure (dicts, lists, tuples) of tensors: every tensor copied into a view of
     `buffers` (non-blocking from a CUDA device: wait on an event recorded after it before reading), every other leaf
@@ -291,4 +249,4 @@ def copy_to_host(value: Any, buffers: HostBuffers, stream: Any = None) -> Any:
     return map_tensors(value, lambda _: next(held), copy.deepcopy)
 
 
-__all__ = ["HostArena", "HostBuffers", "Slot", "copy_to_host", "plan", "queue_host_copy"]
+__all__ = ["HostBuffers", "Slot", "copy_to_host", "plan", "queue_host_copy"]

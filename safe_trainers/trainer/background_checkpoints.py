@@ -34,6 +34,7 @@ from ..restarts.output_lock import publishes_here
 from ..rules.memory import saves_nothing
 from ..runtime.collectives import distributed, max_across_ranks, ranks_with_flag
 from ..runtime.host_staging import prepare_staging
+from ..runtime.saved_weights import written_part
 
 logger = logging.getLogger("safe_trainers")
 
@@ -92,19 +93,23 @@ def announce(trainer: Any) -> None:
     saves = trainer.safe_run.saves
     if saves is None or not saves.in_flight:
         return
+    with trainer.safe_run.guard.clock.paused():  # a write (and an upload) may take minutes: never a (hung) step
+        _announce(trainer, saves)
+
+
+def _announce(trainer: Any, saves: BackgroundSaves) -> None:
     step, error = saves.pending.step, None
     try:
         pending = saves.wait()
     except CheckpointWriteError as failed:
         pending, error = None, failed
-    if distributed():
-        failed_on = ranks_with_flag(torch.tensor([error is not None], device=trainer.accelerator.device))[0]
-        if failed_on and error is None:
-            raise CheckpointWriteError(
-                f"The background save of checkpoint-{step} failed on rank {failed_on[0]} and was not published (its "
-                "error is in that rank's log). The previous checkpoint stands. Set `save_in_background=False` to "
-                "write checkpoints on the training thread."
-            )
+    failed_on = ranks_with_flag(torch.tensor([error is not None], device=trainer.accelerator.device))[0]
+    if failed_on and error is None:  # under several ranks: it failed on another
+        raise CheckpointWriteError(
+            f"The background save of checkpoint-{step} failed on rank {failed_on[0]} and was not published (its "
+            "error is in that rank's log). The previous checkpoint stands. Set `save_in_background=False` to write "
+            "checkpoints on the training thread."
+        )
     if error is not None:
         raise error
     trainer._after_published(pending.final, pending.run_dir, pending.step, publishes=pending.publishes)
@@ -141,7 +146,7 @@ def prepare_buffers(trainer: Any) -> None:
     saves.buffers.prepared = True
     if saves_nothing(trainer.args) or not publishes_here(trainer.args, run.output_lock):
         return
-    prepare_staging(trainer.model.state_dict(), saves.buffers.model)
+    prepare_staging(written_part(trainer.model, trainer.model.state_dict()), saves.buffers.model)
     if not trainer.args.save_only_model:
         prepare_staging(trainer.optimizer.state_dict(), saves.buffers.optimizer)
 

@@ -83,10 +83,10 @@ class PreemptionCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         if control.should_save:
-            self.preemption.save_began()
+            self.preemption.save_began(state.global_step)
 
     def on_save(self, args, state, control, **kwargs: Any):
-        self.preemption.saved()
+        self.preemption.saved(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.preemption.restore()

@@ -24,6 +24,7 @@ from ..restarts.rotation import rotate_up_to
 from ..runtime.checkpoint_dirs import STAGING_DIR, checked_staging, checkpoint_dir, staging_run_dir
 from ..runtime.finite import all_finite
 from ..runtime.host_staging import stage_to_host
+from ..runtime.saved_weights import written_part
 from .background_checkpoints import announce, saves_in_background
 from .hooks_ran import verify_hooks
 from .run import SafeRun
@@ -127,7 +128,7 @@ class CheckpointHooks:
             deferred = self.safe_run.hooks.deferred
             if deferred is not None:  # a background save: the host copy now, `save_pretrained` of it later
                 os.makedirs(output_dir, exist_ok=True)  # the Trainer's small files are written there now
-                staged = stage_to_host(tensors, self.safe_run.saves.buffers.model)
+                staged = stage_to_host(written_part(self.model, tensors), self.safe_run.saves.buffers.model)
                 save = super()._save
                 deferred.append((staged.ready, lambda: save(output_dir, state_dict=staged.value)))
                 return

@@ -172,7 +172,7 @@ def published_by_writer(run: SafeRun, run_dir: str, step: int) -> None:
     (a crash before its readers are told resumes from it) and the deadline learns the save's time."""
     run.progress.published(run_dir, step)
     if run.preemption is not None:
-        run.preemption.saved()
+        run.preemption.saved(step)
 
 
 def install_callbacks(trainer: Any, run: SafeRun) -> None:

@@ -15,7 +15,8 @@ import torch
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard.backends import Backend
 from safe_trainers.runtime.finite import all_finite
-from safe_trainers.runtime.host_buffers import HostArena, HostBuffers, _register, _unregister, copy_to_host
+from safe_trainers.runtime.host_arena import HostArena
+from safe_trainers.runtime.host_buffers import HostBuffers, _register, _unregister, copy_to_host
 from safe_trainers.guard.rollback.memory import HostSnapshot
 
 

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from safe_trainers.runtime.host_buffers import HostArena, HostBuffers, copy_to_host, plan, queue_host_copy
+from safe_trainers.runtime.host_arena import HostArena
+from safe_trainers.runtime.host_buffers import HostBuffers, copy_to_host, plan, queue_host_copy
 from safe_trainers.guard.rollback.memory import _restored
 
 

@@ -47,13 +47,31 @@ def test_the_deadline_learns_the_longest_step_and_save():
         deadline.step_began()
         now[0] += took
         assert not deadline.step_ended()
-    deadline.save_began()  # this step saves: published 20 s after its end
+    deadline.save_began(3)  # this step saves: published 20 s after its end
     now[0] += 20.0
-    deadline.saved()
+    deadline.saved(3)
     assert (deadline.longest_step, deadline.save_seconds, deadline.margin()) == (7.0, 20.0, 37.0)
     now[0] = 2000.0 - 37.0
     deadline.step_began()
     assert deadline.step_ended()  # a step of 0 s, but the next one might take 7 s: stop now
+
+
+def test_saves_in_flight_are_timed_each_from_its_own_start_and_count_in_the_margin():
+    # Background saves: checkpoint-2's write outlasts the save interval; checkpoint-4 begins before it is published.
+    now = [0.0]
+    deadline = Deadline(1e6, "`job_end_time`", 10.0, lambda: 0, clock=lambda: now[0])
+    deadline.train_began(stop_lag=0)
+    deadline.save_began(2)
+    now[0] = 100.0
+    deadline.save_began(4)
+    now[0] = 130.0
+    deadline.saved(2)  # 130 s, not 30 s from checkpoint-4's start
+    assert deadline.save_seconds == 130.0
+    # checkpoint-4 still in flight, 30 s in: a stop now waits for its 100 s left, then writes its own 130 s.
+    assert deadline.margin() == 0.0 + 130.0 + 10.0 + 100.0
+    now[0] = 300.0
+    deadline.saved(4)
+    assert (deadline.save_seconds, deadline.margin()) == (200.0, 210.0)
 
 
 class Sleep(TrainerCallback):

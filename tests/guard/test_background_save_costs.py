@@ -1,0 +1,106 @@
+"""What a background save costs the run besides its copy: its wait is never timed as a (hung) step, the deadline times
+each save from its own start, and a LoRA save copies the adapters it writes, not the frozen base model. Real trainers
+on the toy model, the writer held mid-checkpoint (`safe_trainers/testing/held_writes.py`); a fake clock, no timing."""
+
+from __future__ import annotations
+
+import os
+
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.held_writes import HeldWrites
+
+
+class WaitProbe(HeldWrites):
+    """Holds checkpoint `step` mid-write; when the training thread comes to wait for it (while it is still being
+    written) records `probe()` there, then lets the writer finish."""
+
+    def __init__(self, saves, step, probe):
+        super().__init__(saves.problem, step, published=saves.published)
+        self.probe, self.seen = probe, []
+
+    def wait(self):
+        if self.pending is not None and self.pending.step == self.step and not self.done():
+            self.seen.append(self.probe())
+            self.release()
+        return super().wait()
+
+
+def probe_writes(trainer, step, probe):
+    run = trainer.safe_run
+    held = WaitProbe(run.saves, step, probe)
+    run.saves = trainer.callback_handler.saves = held
+    return held
+
+
+def test_a_rollback_from_disk_does_not_time_its_wait_for_the_write_as_a_hung_step(toy_models, tmp_path):
+    # A rollback from disk waits for the checkpoint in flight. A write may take minutes (84 GB for a 7B full
+    # fine-tune), far past the hang bound learned from the steps (10x the slowest): like the rollback's load and the
+    # abort's save, the wait (`inspection.inspect` -> `announce`) runs with the step's watchdog clock paused, or a slow
+    # write would be taken for a hung step (stacks, a `hang` event, under torchrun's agent exit 124 mid-write).
+    from safe_trainers.testing.faults import Fault
+
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), preset="guarded", faults=[Fault(step=6, kind="weight")],
+        nan_rollback_from="checkpoint", save_in_background=True, max_steps=8, save_steps=4, hang_timeout=900.0,
+        hang_action="report",
+    )  # fmt: skip
+    watchdog = trainer.safe_run.watchdog
+    assert watchdog is not None
+    held = probe_writes(trainer, 4, probe=lambda: watchdog._began is not None)  # the step's clock runs
+    trainer.train()
+    assert held.holding.is_set() and held.seen, "the rollback did not wait for checkpoint-4"
+    assert held.seen == [False] * len(held.seen), "the wait for the write was timed as part of a step"
+
+
+def test_the_deadline_measures_a_background_save_that_outlasts_the_save_interval(toy_models, tmp_path):
+    # The deadline's margin holds the measured save time: from the step that starts a save (`save_began`, at
+    # `on_step_end`) to its publication on the writer thread (`published_by_writer` -> `Deadline.saved`). A write
+    # that outlasts the save interval (big checkpoints: the case the deadline is for) is timed from its own start
+    # while the next save begins: checkpoint-2, written from t=2000 to t=5000 on the fake clock, takes 3000 s (not
+    # the 1000 s since checkpoint-4's start).
+    from transformers import TrainerCallback
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+
+    class Steps(TrainerCallback):  # every step takes 1000 s on the fake clock
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock.now += 1000.0
+
+    def write_goes_on():  # the training thread waits for checkpoint-2: its write takes 1000 s more
+        clock.now += 1000.0
+
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), preset="guarded", save_in_background=True, max_steps=4,
+        save_steps=2, job_end_time=1e9,
+    )  # fmt: skip
+    deadline = trainer.safe_run.preemption.deadline
+    deadline.clock = clock
+    trainer.add_callback(Steps())
+    held = probe_writes(trainer, 2, probe=write_goes_on)
+    trainer.train()
+    assert held.seen, "checkpoint-2 was still being written at checkpoint-4's save"
+    assert deadline.save_seconds is not None and deadline.save_seconds >= 3000.0, deadline.save_seconds
+
+
+def test_a_lora_background_save_stages_the_adapters_it_writes_not_the_frozen_base_model(toy_models, tmp_path):
+    # A LoRA checkpoint holds the adapters only (`adapter_model.safetensors`). A background save copies what
+    # `PeftModel.save_pretrained` writes (`runtime/saved_weights.py`), not `model.state_dict()`: for a 7B base with a
+    # 20 MB adapter, that would block every save for a 14 GB host copy (and hold 14 GB of host memory).
+    from peft import LoraConfig
+
+    trainer = build_trainer(
+        "sft", toy_models["qwen2"], str(tmp_path), preset="guarded", save_in_background=True, max_steps=4,
+        save_steps=2, trainer_kwargs={"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"])},
+    )  # fmt: skip
+    trainer.train()
+    assert os.path.isfile(os.path.join(str(tmp_path), "checkpoint-4", "adapter_model.safetensors"))
+    adapters = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+    everything = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    staged = trainer.safe_run.saves.buffers.model.nbytes()
+    assert staged <= 2 * adapters, f"staged {staged} bytes for {adapters} bytes of adapters ({everything} in all)"
