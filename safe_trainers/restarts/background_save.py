@@ -71,6 +71,7 @@ class SaveBuffers:
     def release(self) -> None:
         self.model.release()
         self.optimizer.release()
+        self.prepared = False
 
 
 class BackgroundSaves:

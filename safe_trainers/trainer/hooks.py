@@ -105,6 +105,8 @@ class NanGuardTrainerMixin(CheckpointHooks):
         if result is not None and result["global_step"] == output.global_step:
             output = TrainOutput(**result)  # what this call returned before the restart
         preempted = preempted_at_end(self) if guard is not None else None  # the final state published first
+        if run.saves is not None:
+            run.saves.buffers.release()  # the host copy of the state is not held past `train()`
         if run.progress is not None:
             run.progress.finished(output)
         if preempted is not None:

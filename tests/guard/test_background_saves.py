@@ -226,13 +226,27 @@ def test_a_starting_checkpoint_in_flight_is_the_disk_sources_good_state(toy_mode
 
 
 def test_the_first_background_save_finds_its_host_buffers_ready(toy_models, tmp_path):
-    # Allocated on a thread after the first step (the optimizer's moments exist), not on the first save's path.
+    # Allocated on a thread after the first step (the optimizer's moments exist), not on the first save's path; let go
+    # when `train()` returns.
+    from transformers import TrainerCallback
+
     trainer = build_trainer(
         "dpo", toy_models["qwen2"], str(tmp_path), preset="guarded", save_in_background=True, max_steps=8,
         save_steps=4,
     )  # fmt: skip
-    trainer.train()
     buffers = trainer.safe_run.saves.buffers
-    for held in (buffers.model, buffers.optimizer):
-        assert (held.allocations, held.allocation_seconds, held.nbytes() > 0) == (1, 0.0, True)
+    seen = []
+
+    class AtSecondSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 8:
+                seen.extend((held.allocations, held.allocation_seconds, held.nbytes() > 0) for held in buffers_held())
+
+    def buffers_held():
+        return buffers.model, buffers.optimizer
+
+    trainer.add_callback(AtSecondSave())
+    trainer.train()
+    assert seen == [(1, 0.0, True)] * 2
     assert checkpoint_steps(str(tmp_path)) == [4, 8]
+    assert buffers.model.nbytes() == buffers.optimizer.nbytes() == 0  # not held past `train()`
