@@ -13,7 +13,6 @@ end of training, a rollback from disk, a preemption's exit) waits for the writer
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,10 +26,10 @@ class WritersDone:
     """The agreed "a writer is still busy" bit of each step (a [`FlagRider`], see the module docstring).
 
     Args:
-        saves (`Callable[[], BackgroundSaves | None]`): the run's writer (`None` once background saves are off).
+        saves ([`BackgroundSaves`]): the run's writer (set to `None` when background saves are turned off).
     """
 
-    def __init__(self, saves: Callable[[], BackgroundSaves | None]):
+    def __init__(self, saves: BackgroundSaves | None):
         self.saves = saves
         self.bits: AgreedBits | None = None
         self._done_for: int | None = None  # the step of the save in flight that every writer finished
@@ -40,12 +39,11 @@ class WritersDone:
         self.bits, self._done_for = None, None
 
     def local_bit(self, device: Any) -> torch.Tensor | None:
-        saves = self.saves()
-        if saves is None or not distributed():
+        if self.saves is None or not distributed():
             return None  # a single process asks its own writer (`BackgroundSaves.done`)
         if self.bits is None:
             self.bits = AgreedBits(device)
-        return self.bits.local_bit(not saves.done())
+        return self.bits.local_bit(not self.saves.done())
 
     def agreed(self, step: int, bit: torch.Tensor) -> None:
         if self.bits is not None:
@@ -57,8 +55,7 @@ class WritersDone:
         if self.bits is None:
             return False
         agreed = self.bits.read_through(step - READ_LAG)  # read every step, whether a save is in flight or not
-        saves = self.saves()
-        pending = saves.pending if saves is not None else None
+        pending = self.saves.pending if self.saves is not None else None
         if pending is None:
             return False
         for at, busy in agreed:

@@ -41,12 +41,40 @@ class HeldWrites(BackgroundSaves):
         self.released.set()
 
 
+class HeldUntilWaited(HeldWrites):
+    """[`HeldWrites`] released by the first wait for the held checkpoint: the writer is still writing whenever the
+    training thread comes to need it, whatever the machine's speed. `waits` records where the training thread was."""
+
+    def __init__(self, problem, step, published=None, probe: Callable[[], Any] | None = None):
+        super().__init__(problem, step, published=published)
+        self.probe = probe
+        self.waits: list[Any] = []
+
+    def wait(self):
+        if self.pending is not None and self.pending.step == self.step and not self.released.is_set():
+            self.waits.append(self.probe() if self.probe is not None else True)
+            self.release()
+        return super().wait()
+
+
 def hold_writes(trainer: Any, step: int, on_hold: Callable[[], None] | None = None) -> HeldWrites:
     """Give `trainer` (a safe trainer with `save_in_background=True`) a writer held at checkpoint `step`."""
     run = trainer.safe_run
-    held = HeldWrites(run.saves.problem, step, on_hold, run.saves.published)
-    run.saves = trainer.callback_handler.saves = held
+    return _install(trainer, HeldWrites(run.saves.problem, step, on_hold, run.saves.published))
+
+
+def hold_until_waited(trainer: Any, step: int, probe: Callable[[], Any] | None = None) -> HeldUntilWaited:
+    """Give `trainer` a writer held at checkpoint `step` until the training thread waits for it (`probe()` is
+    recorded then)."""
+    run = trainer.safe_run
+    return _install(trainer, HeldUntilWaited(run.saves.problem, step, run.saves.published, probe))
+
+
+def _install(trainer: Any, held: HeldWrites) -> Any:
+    trainer.safe_run.saves = trainer.callback_handler.saves = held
+    if trainer.safe_run.writers is not None:
+        trainer.safe_run.writers.saves = held
     return held
 
 
-__all__ = ["HeldWrites", "hold_writes"]
+__all__ = ["HeldUntilWaited", "HeldWrites", "hold_until_waited", "hold_writes"]

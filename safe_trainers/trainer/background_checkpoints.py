@@ -83,7 +83,7 @@ def train_began(trainer: Any) -> None:
         off = torch.tensor([float(run.saves is None)], device=trainer.accelerator.device)
         if bool(max_across_ranks(off)[0] > 0) and run.saves is not None:
             logger.warning("Background saves are off on another rank: every rank writes its checkpoints in line.")
-            run.saves = trainer.callback_handler.saves = None
+            run.saves = trainer.callback_handler.saves = run.writers.saves = None
 
 
 def announce(trainer: Any) -> None:

@@ -51,8 +51,10 @@ def inspect(trainer: Any, verify: bool = False, snapshot: bool = False, fresh: b
     if judged.replay:
         with guard.clock.paused():  # a replay of the step's micro-batches: not timed with the step
             diagnosis = diagnose(trainer, judged.replay, judged.replay_step)
-    if judged.verdict.rollback is not None and guard.snapshotter.may_load:
-        announce(trainer)  # a rollback that may load a checkpoint sees the one a background save is writing
+    if judged.verdict.rollback is not None:
+        # A rollback sees the checkpoint a background save is writing as published: the disk source may load it, and
+        # the restored best-model fields may name it (a best checkpoint that is not there is dropped).
+        announce(trainer)
     decision = guard.settle(judged, diagnosis)
     carry_out(trainer, decision)
     return decision.verdict

@@ -151,8 +151,9 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     run.port = TrainerPort()
     if settings.save_in_background:
         run.saves = BackgroundSaves(checker(settings.trusted_checkpoint_globals), partial(published_by_writer, run))
-        run.writers = WritersDone(lambda: run.saves)
-    riders = tuple(rider for rider in (run.preemption, run.writers) if rider is not None)
+        run.writers = WritersDone(run.saves)
+    # Bits that ride on the guard's per-step all-reduce; a single process reads its flags directly.
+    riders = tuple(r for r in (run.preemption, run.writers) if r is not None) if args.world_size > 1 else ()
     run.guard = NanGuard(settings, args, run.port, events, clock=clock, riders=riders)
     main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
     run.progress = StepProgress(events, args.output_dir, main, can_leave_out=leave_out)

@@ -7,29 +7,7 @@ from __future__ import annotations
 import os
 
 from safe_trainers.testing.build import build_trainer
-from safe_trainers.testing.held_writes import HeldWrites
-
-
-class WaitProbe(HeldWrites):
-    """Holds checkpoint `step` mid-write; when the training thread comes to wait for it (while it is still being
-    written) records `probe()` there, then lets the writer finish."""
-
-    def __init__(self, saves, step, probe):
-        super().__init__(saves.problem, step, published=saves.published)
-        self.probe, self.seen = probe, []
-
-    def wait(self):
-        if self.pending is not None and self.pending.step == self.step and not self.done():
-            self.seen.append(self.probe())
-            self.release()
-        return super().wait()
-
-
-def probe_writes(trainer, step, probe):
-    run = trainer.safe_run
-    held = WaitProbe(run.saves, step, probe)
-    run.saves = trainer.callback_handler.saves = held
-    return held
+from safe_trainers.testing.held_writes import hold_until_waited
 
 
 def test_a_rollback_from_disk_does_not_time_its_wait_for_the_write_as_a_hung_step(toy_models, tmp_path):
@@ -46,10 +24,10 @@ def test_a_rollback_from_disk_does_not_time_its_wait_for_the_write_as_a_hung_ste
     )  # fmt: skip
     watchdog = trainer.safe_run.watchdog
     assert watchdog is not None
-    held = probe_writes(trainer, 4, probe=lambda: watchdog._began is not None)  # the step's clock runs
+    held = hold_until_waited(trainer, 4, probe=lambda: watchdog._began is not None)  # the step's clock runs
     trainer.train()
-    assert held.holding.is_set() and held.seen, "the rollback did not wait for checkpoint-4"
-    assert held.seen == [False] * len(held.seen), "the wait for the write was timed as part of a step"
+    assert held.holding.is_set() and held.waits, "the rollback did not wait for checkpoint-4"
+    assert held.waits == [False] * len(held.waits), "the wait for the write was timed as part of a step"
 
 
 def test_the_deadline_measures_a_background_save_that_outlasts_the_save_interval(toy_models, tmp_path):
@@ -82,9 +60,9 @@ def test_the_deadline_measures_a_background_save_that_outlasts_the_save_interval
     deadline = trainer.safe_run.preemption.deadline
     deadline.clock = clock
     trainer.add_callback(Steps())
-    held = probe_writes(trainer, 2, probe=write_goes_on)
+    held = hold_until_waited(trainer, 2, probe=write_goes_on)
     trainer.train()
-    assert held.seen, "checkpoint-2 was still being written at checkpoint-4's save"
+    assert held.waits, "checkpoint-2 was still being written at checkpoint-4's save"
     assert deadline.save_seconds is not None and deadline.save_seconds >= 3000.0, deadline.save_seconds
 
 

@@ -250,3 +250,26 @@ def test_the_first_background_save_finds_its_host_buffers_ready(toy_models, tmp_
     assert seen == [(1, 0.0, True)] * 2
     assert checkpoint_steps(str(tmp_path)) == [4, 8]
     assert buffers.model.nbytes() == buffers.optimizer.nbytes() == 0  # not held past `train()`
+
+
+def test_a_rollback_keeps_the_best_checkpoint_still_being_written(toy_models, tmp_path):
+    # Evaluation, snapshot and save at step 4 (checkpoint-4 the best); NaN in the update of step 5, a rollback to
+    # step 4 while checkpoint-4 is still being written (held until the training thread waits for it). The rollback
+    # waits for it: the restored best-model fields name a published checkpoint-4, and the worse evaluation at step 8
+    # does not replace it.
+    from safe_trainers.guard import read_events
+    from safe_trainers.testing.faults import Fault
+    from safe_trainers.testing.held_writes import hold_until_waited
+
+    scores = iter([0.5, 0.9])
+    trainer = build_trainer(
+        "reward", toy_models["qwen2-rm"], str(tmp_path), preset="guarded", faults=[Fault(step=5, kind="update")],
+        eval_rows=4, max_steps=8, eval_strategy="steps", eval_steps=4, save_steps=4, load_best_model_at_end=True,
+        metric_for_best_model="score", greater_is_better=False, nan_snapshot_steps=4, save_in_background=True,
+    )  # fmt: skip
+    trainer.compute_metrics = lambda prediction: {"score": next(scores)}
+    held = hold_until_waited(trainer, 4, probe=lambda: trainer.state.global_step)
+    trainer.train()
+    assert [e["restored_step"] for e in read_events(str(tmp_path)) if e["kind"] == "rollback"] == [4]
+    assert held.waits == [6]  # the rollback at step 6 waited for checkpoint-4
+    assert trainer.state.best_metric == 0.5 and trainer.state.best_model_checkpoint.endswith("checkpoint-4")

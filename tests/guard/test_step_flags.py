@@ -89,7 +89,7 @@ class PreemptionBit:
 @pytest.mark.parametrize("bit", [False, True])
 def test_a_rider_gets_its_agreed_bit_and_does_not_touch_the_step(bit):
     flags, rider = StepFlags(), PreemptionBit(bit)
-    assert close(flags, 7, [1.0], torch.tensor(0.5), rider=rider) is False
+    assert close(flags, 7, [1.0], torch.tensor(0.5), riders=[rider]) is False
     assert rider.seen == [(7, bit)] and flags.read()[0].bad is False
 
 
