@@ -16,10 +16,12 @@ the next start): never a published, half-written checkpoint. The step record lis
 the writer thread), so a crash before the next step boundary resumes from it. What reads a published checkpoint
 (`on_save`, the hub upload, the rotation, the step record, the guard's rollback source) is told on the main thread,
 once the writer is done ([`BackgroundSaves.wait`], called by the trainer at a step boundary, before the next save,
-before the best model is loaded, before a preemption's exit and before `train()` returns;
+before any rollback, before the best model is loaded, before a preemption's exit and before `train()` returns;
 `trainer/background_checkpoints.py`).
 
-No collective runs on the writer thread; the writer never touches the live model or optimizer.
+No collective runs on the writer thread; the writer never touches the live model or optimizer (a model whose
+`save_pretrained` reads its live weights, a prompt-learning PEFT model, has its weights written on the training
+thread: `runtime/saved_weights.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class PendingSave:
         run_dir (`str`): `output_dir`.
         state (`Any`): a copy of the `TrainerState` as saved (what `on_save` reads: the step, the best checkpoint).
         publishes (`bool`): this rank writes the deferred files and publishes (under DDP, the others wait for it).
+        uploads (`bool`): pushed to the Hub once published (`hub_strategy="checkpoint"`); not the guard's starting
+            checkpoint (`nan_rollback_from="checkpoint"`).
         on_save_due (`bool`): the Trainer called `on_save` for this save: the callbacks are called once published.
     """
 
@@ -57,6 +61,7 @@ class PendingSave:
     run_dir: str
     state: Any
     publishes: bool = True
+    uploads: bool = True
     on_save_due: bool = False
 
 

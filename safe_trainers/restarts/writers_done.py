@@ -8,7 +8,7 @@ which every rank knows the writers were done. Each rank's "my writer is still bu
 all-reduce (a [`FlagRider`]), is OR-ed across ranks, and is read back one step later ([`AgreedBits`], as the
 preemption bit), so a save started at step `k` is announced at the end of step `s + 1` for the first `s > k` whose
 agreed bit was clear. No host synchronisation is added to a step; a save that is needed sooner (the next save, the
-end of training, a rollback from disk, a preemption's exit) waits for the writers instead (`announce`).
+end of training, any rollback, a preemption's exit) waits for the writers instead (`announce`).
 """
 
 from __future__ import annotations

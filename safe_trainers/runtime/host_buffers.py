@@ -107,20 +107,27 @@ class HostBuffers:
         """A view per `(shape, dtype)` of `specs`, each in its dtype's buffer (reused when `specs` and `pin` are
         unchanged; taken from [`prepare`] when it allocated them for this layout)."""
         signature = (pin, *((tuple(shape), dtype) for shape, dtype in specs))
-        if self._preparing is not None:
-            thread, prepared = self._preparing
-            thread.join()
-            self._preparing = None
-            if prepared and prepared[0] == signature and signature != self._signature:
-                self._adopt(prepared)
-                self.allocation_seconds = 0.0  # allocated off the caller's path
-            elif prepared:
-                _unregister(prepared[3])  # a layout that changed since: dropped
+        prepared = self._join_preparing()
+        if prepared and prepared[0] == signature and signature != self._signature:
+            self._adopt(prepared)
+            self.allocation_seconds = 0.0  # allocated off the caller's path
+        elif prepared:
+            _drop(prepared)  # a layout that changed since
         if signature != self._signature:
+            self.release()  # the old layout's buffers go before the new ones come: never both held
             began = time.perf_counter()
             self._adopt(_allocate(signature, self.separate))
             self.allocation_seconds = time.perf_counter() - began
         return self._views
+
+    def _join_preparing(self) -> list:
+        """What [`prepare`]'s thread allocated (once it is done), taken from it; empty when nothing was prepared."""
+        if self._preparing is None:
+            return []
+        thread, prepared = self._preparing
+        thread.join()
+        self._preparing = None
+        return prepared
 
     def _adopt(self, allocation: tuple) -> None:
         self.release()
@@ -151,17 +158,11 @@ class HostBuffers:
 
     def release(self) -> None:
         """Drop the buffers (unpinning them first, once every queued copy has finished), and any being prepared."""
-        if self._preparing is not None:
-            thread, prepared = self._preparing
-            thread.join()
-            self._preparing = None
-            if prepared:
-                _unregister(prepared[3])
+        _drop(self._join_preparing())
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
         self.buffers, self._views, self._signature, self.pinned = {}, [], None, False
-
 
 
 def _allocate(signature: tuple, separate: bool = False) -> tuple:
@@ -182,6 +183,13 @@ def _allocate(signature: tuple, separate: bool = False) -> tuple:
         return signature, buffers, list(buffers.values()), registered
     views = [buffers[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in slots]
     return signature, buffers, views, registered
+
+
+def _drop(prepared: list) -> None:
+    """Let go of buffers [`HostBuffers.prepare`] allocated and nobody adopted (unpinned first)."""
+    if prepared:
+        _unregister(prepared[3])
+        prepared.clear()
 
 
 def _pin(buffers: dict[Any, torch.Tensor]) -> list[torch.Tensor]:

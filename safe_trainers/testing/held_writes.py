@@ -11,24 +11,37 @@ from ..restarts.background_save import BackgroundSaves, PendingSave
 
 
 class HeldWrites(BackgroundSaves):
-    """[`BackgroundSaves`] whose writer stops after the first file of checkpoint `step` until [`release`].
+    """[`BackgroundSaves`] whose writer stops after the first file of checkpoint `step` (before it, with
+    `before_writing`) until [`release`].
 
     Args:
         problem (`Callable[[str], str | None]`): as [`BackgroundSaves`].
         step (`int`): the checkpoint held.
         on_hold (`Callable[[], None]`, *optional*): called on the writer thread when it stops (a test's signal).
         published (`Callable[[str, int], None]`, *optional*): as [`BackgroundSaves`].
+        before_writing (`bool`, *optional*): stop before the first deferred file, not after it.
     """
 
     def __init__(
         self, problem: Callable[[str], str | None], step: int, on_hold: Callable[[], None] | None = None,
-        published: Callable[[str, int], None] | None = None,
+        published: Callable[[str, int], None] | None = None, before_writing: bool = False,
     ):  # fmt: skip
         super().__init__(problem, published)
         self.step = step
         self.on_hold = on_hold
+        self.before_writing = before_writing
         self.holding = threading.Event()
         self.released = threading.Event()
+
+    def start(self, pending: PendingSave, writes, ready: Callable[[], None]) -> None:
+        if not self.before_writing:
+            return super().start(pending, writes, ready)
+
+        def ready_then_hold() -> None:
+            ready()
+            self.written(pending, ready)
+
+        super().start(pending, writes, ready_then_hold)
 
     def written(self, pending: PendingSave, write: Callable[[], None]) -> None:
         if pending.step == self.step and not self.holding.is_set():
@@ -45,8 +58,8 @@ class HeldUntilWaited(HeldWrites):
     """[`HeldWrites`] released by the first wait for the held checkpoint: the writer is still writing whenever the
     training thread comes to need it, whatever the machine's speed. `waits` records where the training thread was."""
 
-    def __init__(self, problem, step, published=None, probe: Callable[[], Any] | None = None):
-        super().__init__(problem, step, published=published)
+    def __init__(self, problem, step, published=None, probe: Callable[[], Any] | None = None, before_writing=False):
+        super().__init__(problem, step, published=published, before_writing=before_writing)
         self.probe = probe
         self.waits: list[Any] = []
 
@@ -63,11 +76,13 @@ def hold_writes(trainer: Any, step: int, on_hold: Callable[[], None] | None = No
     return _install(trainer, HeldWrites(run.saves.problem, step, on_hold, run.saves.published))
 
 
-def hold_until_waited(trainer: Any, step: int, probe: Callable[[], Any] | None = None) -> HeldUntilWaited:
+def hold_until_waited(
+    trainer: Any, step: int, probe: Callable[[], Any] | None = None, before_writing: bool = False
+) -> HeldUntilWaited:
     """Give `trainer` a writer held at checkpoint `step` until the training thread waits for it (`probe()` is
-    recorded then)."""
+    recorded then); with `before_writing`, before it writes any deferred file."""
     run = trainer.safe_run
-    return _install(trainer, HeldUntilWaited(run.saves.problem, step, run.saves.published, probe))
+    return _install(trainer, HeldUntilWaited(run.saves.problem, step, run.saves.published, probe, before_writing))
 
 
 def _install(trainer: Any, held: HeldWrites) -> Any:

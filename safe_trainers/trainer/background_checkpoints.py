@@ -18,7 +18,8 @@ The readers of a checkpoint, and when each sees one written in the background (`
   write leaves an unsealed staged copy that the next start removes.
 
 The readers are told at the first of: the next step boundary after the writer finished (a check that never waits),
-the next save (at most one in flight), the end of training, the best model's load, a preemption's exit.
+the next save (at most one in flight), any rollback (the restored best-model fields may name it), the end of
+training, the best model's load, a preemption's exit.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _announce(trainer: Any, saves: BackgroundSaves) -> None:
         )
     if error is not None:
         raise error
-    trainer._after_published(pending.final, pending.run_dir, pending.step, publishes=pending.publishes)
+    trainer._after_published(pending.final, pending.run_dir, pending.step, pending.publishes, pending.uploads)
     if pending.on_save_due:
         due = trainer.control.should_save  # this step's own save, if any, still happens (`on_save` clears it)
         handler = trainer.callback_handler
@@ -146,7 +147,9 @@ def prepare_buffers(trainer: Any) -> None:
     saves.buffers.prepared = True
     if saves_nothing(trainer.args) or not publishes_here(trainer.args, run.output_lock):
         return
-    prepare_staging(written_part(trainer.model, trainer.model.state_dict()), saves.buffers.model)
+    weights = written_part(trainer.model, trainer.model.state_dict())
+    if weights is not None:  # else written on the training thread (prompt-learning PEFT)
+        prepare_staging(weights, saves.buffers.model)
     if not trainer.args.save_only_model:
         prepare_staging(trainer.optimizer.state_dict(), saves.buffers.optimizer)
 

@@ -67,6 +67,7 @@ class CheckpointHooks:
         staged, final = checkpoint_dir(staging_run_dir(run_dir), step), checkpoint_dir(run_dir, step)
         checked_staging(run_dir, create=True)  # a real directory of this user's, never a link
         publishes = publishes_here(self.args, run.output_lock)
+        uploads = self.args.push_to_hub and not run.hooks.starting_checkpoint  # the starting state stays local
         background = saves_in_background(self)  # on every rank alike; only a publishing rank defers its writes
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside staging: ours below
         run.hooks.staging, run.hooks.deferred = True, [] if background and publishes else None
@@ -77,31 +78,30 @@ class CheckpointHooks:
             self.args.save_total_limit = limit
         verify_hooks(self, "save")  # the Trainer wrote to the staging directory, or the run stops here
         self.state.best_model_checkpoint = _published_best(self.state, run_dir, step)
-        if background:  # the weights, the optimizer and `training_args.bin` are written by the deferred writes
-            if publishes:
-                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
-                guard.state.save(staged, guard.spikes)  # with the spike window
-            self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are staged before publication
-            pending = PendingSave(step, staged, final, run_dir, copy.deepcopy(self.state), publishes)
-            writes = [write for _, write in deferred or ()]
-            run.saves.start(pending, writes, lambda: [ready() for ready, _ in deferred or ()])
-            return
+        # Every rank's files are staged (its RNG state; a node sharing rank 0's storage wrote them all, with the
+        # Trainer's own state and arguments) before the rank that publishes writes over them.
         self.accelerator.wait_for_everyone()
         if publishes:  # one process per storage: never a node sharing rank 0's (`save_on_each_node`)
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))  # with the published best path
             if os.path.isfile(os.path.join(staged, TRAINING_ARGS_NAME)):  # saved with `save_total_limit=None`
                 torch.save(self.args, os.path.join(staged, TRAINING_ARGS_NAME))
             guard.state.save(staged, guard.spikes)  # with the spike window
+        if background:  # the weights (most often), the optimizer and `training_args.bin`: the deferred writes
+            pending = PendingSave(step, staged, final, run_dir, copy.deepcopy(self.state), publishes, uploads)
+            writes = [write for _, write in deferred or ()]
+            run.saves.start(pending, writes, lambda: [ready() for ready, _ in deferred or ()])
+            return
+        if publishes:
             publish(staged, final)
-        self._after_published(final, run_dir, step, publishes)
+        self._after_published(final, run_dir, step, publishes, uploads)
 
-    def _after_published(self, final: str, run_dir: str, step: int, publishes: bool) -> None:
+    def _after_published(self, final: str, run_dir: str, step: int, publishes: bool, uploads: bool) -> None:
         """What reads a published checkpoint, in order: the guard, the step record, the hub upload, the rotation."""
         run = self.safe_run
         run.guard.published(final)
         self.accelerator.wait_for_everyone()
         run.progress.published(run_dir, step)  # before the upload and the rotation: a kill there keeps it resumable
-        if self.args.push_to_hub and not run.hooks.starting_checkpoint:
+        if uploads:
             self._push_from_checkpoint(final)
         if publishes:
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
@@ -126,9 +126,10 @@ class CheckpointHooks:
                 bad = [k for k, t in tensors.items() if not bool(all_finite([t]))]
                 raise NonFiniteWeightsError(output_dir or self.args.output_dir, bad[:10])
             deferred = self.safe_run.hooks.deferred
-            if deferred is not None:  # a background save: the host copy now, `save_pretrained` of it later
+            part = written_part(self.model, tensors) if deferred is not None else None
+            if part is not None:  # a background save: the host copy now, `save_pretrained` of it later
                 os.makedirs(output_dir, exist_ok=True)  # the Trainer's small files are written there now
-                staged = stage_to_host(written_part(self.model, tensors), self.safe_run.saves.buffers.model)
+                staged = stage_to_host(part, self.safe_run.saves.buffers.model)
                 save = super()._save
                 deferred.append((staged.ready, lambda: save(output_dir, state_dict=staged.value)))
                 return

@@ -89,3 +89,35 @@ def test_a_lora_background_save_stages_the_adapters_it_writes_not_the_frozen_bas
     assert os.path.isfile(os.path.join(str(tmp_path), "checkpoint-4", "adapter_model.safetensors"))
     adapters = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
     assert staged == [adapters, adapters], f"staged {staged} bytes for {adapters} bytes of adapters"
+
+
+def test_a_prompt_learning_adapter_is_saved_as_it_was_at_its_step(toy_models, tmp_path):
+    # P-tuning saves prompt embeddings that PEFT computes from the live prompt encoder at `save_pretrained`, whatever
+    # state dict it is given: written on the writer thread, checkpoint-2 would hold the encoder's output of a later
+    # step. Such weights are written on the training thread (`written_part` is `None`); the optimizer still goes to
+    # the background. checkpoint-2's writer is held until the training thread waits for it (checkpoint-4's save),
+    # before any of its deferred files.
+    import torch
+    from peft import PromptEncoderConfig
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    trainer = build_trainer(
+        "sft", toy_models["qwen2"], str(tmp_path), preset="guarded", save_in_background=True, max_steps=4,
+        save_steps=2, learning_rate=1e-2,
+        trainer_kwargs={"peft_config": PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)},
+    )  # fmt: skip
+    at_step = {}
+
+    class Embeddings(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            with torch.no_grad():
+                at_step[state.global_step] = trainer.model.get_prompt_embedding_to_save("default").clone()
+
+    trainer.add_callback(Embeddings())
+    held = hold_until_waited(trainer, 2, before_writing=True)
+    trainer.train()
+    assert held.waits, "checkpoint-2 was still being written at checkpoint-4's save"
+    saved = load_file(os.path.join(str(tmp_path), "checkpoint-2", "adapter_model.safetensors"))["prompt_embeddings"]
+    assert not torch.equal(at_step[2], at_step[4]), "the prompt encoder did not train between the two saves"
+    torch.testing.assert_close(saved, at_step[2], rtol=0, atol=0)

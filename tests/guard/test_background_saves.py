@@ -225,6 +225,19 @@ def test_a_starting_checkpoint_in_flight_is_the_disk_sources_good_state(toy_mode
     assert checkpoint_steps(str(tmp_path)) == [0, 8]
 
 
+def test_the_starting_checkpoint_written_in_the_background_is_never_uploaded(toy_models, tmp_path):
+    # checkpoint-0 (`nan_rollback_from="checkpoint"`'s starting state) is the guard's, never the user's: a synchronous
+    # save does not push it, and neither does its announcement at a later step boundary.
+    trainer = build_trainer(
+        "sft", toy_models["qwen2"], str(tmp_path), preset="guarded", nan_rollback_from="checkpoint",
+        save_in_background=True, trainer_cls=RecordingPushSFTTrainer, max_steps=4, save_steps=2, push_to_hub=True,
+        hub_strategy="checkpoint", hub_model_id="local/test",
+    )  # fmt: skip
+    trainer.train()
+    assert checkpoint_steps(str(tmp_path)) == [0, 2, 4]
+    assert trainer.pushed == ["checkpoint-2", "checkpoint-4"]
+
+
 def test_the_first_background_save_finds_its_host_buffers_ready(toy_models, tmp_path):
     # Allocated on a thread after the first step (the optimizer's moments exist), not on the first save's path; let go
     # when `train()` returns.
