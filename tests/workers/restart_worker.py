@@ -123,6 +123,14 @@ class KillingDPOTrainer(trainer_class("dpo")):
         self.stream.write(json.dumps(line) + "\n")
         self.stream.flush()
 
+    def _earlier_checkpoints_published(self) -> None:
+        """A `--kill` at step N dies after the checkpoints of earlier steps are published, as with synchronous saves,
+        however slow the background writer is on a loaded machine (a kill during a background write is tested in
+        tests/guard/test_background_saves.py). Waits for this rank's writer only: no collective."""
+        saves = self.safe_run.saves
+        while saves is not None and not saves.done():
+            time.sleep(0.01)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._log("delivered", inputs)
         return super().training_step(model, inputs, num_items_in_batch)
@@ -132,6 +140,7 @@ class KillingDPOTrainer(trainer_class("dpo")):
             self._log("fed", inputs)
             step = self.state.global_step + 1
             if step in self.kill_steps:
+                self._earlier_checkpoints_published()
                 os.kill(os.getpid(), signal.SIGKILL)
             if step in self.signal_steps:
                 self.signal_steps.discard(step)  # once (the micro-batches of the step go on)
