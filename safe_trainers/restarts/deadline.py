@@ -132,8 +132,9 @@ class Deadline:
         return deadline_reached(now, self.end, self.margin())
 
     def save_began(self, step: int) -> None:
-        """Step `step`, which just ended, saves a checkpoint (its end is where the save's time starts)."""
-        self._saves_began[step] = self.clock()
+        """Step `step` saves a checkpoint: its time starts at the step's end, or when the save itself begins for a save
+        decided later (an epoch's end, a new best metric); the first call for a step stands."""
+        self._saves_began.setdefault(step, self.clock())
 
     def report(self) -> dict[str, float]:
         """The figures of a stop for the deadline, for its `preempt` event."""

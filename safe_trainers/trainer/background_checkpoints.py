@@ -113,12 +113,30 @@ def _announce(trainer: Any, saves: BackgroundSaves) -> None:
         )
     if error is not None:
         raise error
-    trainer._after_published(pending.final, pending.run_dir, pending.step, pending.publishes, pending.uploads)
+    trainer._after_published(
+        pending.final, pending.run_dir, pending.step, pending.publishes, pending.uploads, saved_state=pending.state
+    )
     if pending.on_save_due:
         due = trainer.control.should_save  # this step's own save, if any, still happens (`on_save` clears it)
         handler = trainer.callback_handler
         trainer.control = CallbackHandler.on_save(handler, trainer.args, pending.state, trainer.control)
         trainer.control.should_save = trainer.control.should_save or due
+
+
+def announce_on_error(trainer: Any) -> None:
+    """`train()` is left by an exception with a save in flight: in one process, its writer finishes (publishing it,
+    or not on a write error) and its readers are told, as they would have been before the failing step with a
+    synchronous save; a failure here is logged, never raised over the exception on its way out. Under several ranks
+    nothing is told (that needs a collective, and the other ranks may be gone): the checkpoint is published and in
+    the step record, so a restart resumes from it, but `on_save`, the upload and the rotation of it do not run."""
+    saves = trainer.safe_run.saves
+    if saves is None or not saves.in_flight or distributed():
+        return
+    step = saves.pending.step
+    try:
+        announce(trainer)
+    except Exception as error:  # the original exception is the one to see
+        logger.error(f"The background save of checkpoint-{step} was not announced to its readers: {error}")
 
 
 def announce_if_written(trainer: Any) -> None:
@@ -163,6 +181,6 @@ def training_stops_here(trainer: Any) -> bool:
 
 
 __all__ = [
-    "SaveAwareCallbackHandler", "announce", "announce_if_written", "prepare_buffers", "saves_in_background",
+    "SaveAwareCallbackHandler", "announce", "announce_if_written", "announce_on_error", "prepare_buffers", "saves_in_background",
     "train_began", "training_stops_here",
 ]  # fmt: skip

@@ -63,6 +63,8 @@ class CheckpointHooks:
             refuse_save(run.events, step)  # not reached from the training loop, which restores a damaged state first
             run.hooks_ran.refused_save = step
             return
+        if run.preemption is not None:  # a save decided after the step's end (epoch, best metric) is timed from here
+            run.preemption.save_began(step)
         run_dir = self._get_output_dir(trial)
         staged, final = checkpoint_dir(staging_run_dir(run_dir), step), checkpoint_dir(run_dir, step)
         checked_staging(run_dir, create=True)  # a real directory of this user's, never a link
@@ -95,14 +97,24 @@ class CheckpointHooks:
             publish(staged, final)
         self._after_published(final, run_dir, step, publishes, uploads)
 
-    def _after_published(self, final: str, run_dir: str, step: int, publishes: bool, uploads: bool) -> None:
-        """What reads a published checkpoint, in order: the guard, the step record, the hub upload, the rotation."""
+    def _after_published(
+        self, final: str, run_dir: str, step: int, publishes: bool, uploads: bool, saved_state: Any = None
+    ) -> None:
+        """What reads a published checkpoint, in order: the guard, the step record and the deadline, the hub upload,
+        the rotation. `saved_state`: the `TrainerState` as saved, for a checkpoint announced at a later step (the
+        upload's commit message and `on_push_begin` read the state's step)."""
         run = self.safe_run
         run.guard.published(final)
         self.accelerator.wait_for_everyone()
         run.progress.published(run_dir, step)  # before the upload and the rotation: a kill there keeps it resumable
+        if run.preemption is not None:
+            run.preemption.saved(step)  # timed until published (a background save's writer already told it)
         if uploads:
-            self._push_from_checkpoint(final)
+            live, self.state = self.state, saved_state if saved_state is not None else self.state
+            try:
+                self._push_from_checkpoint(final)
+            finally:
+                self.state = live
         if publishes:
             rotate_up_to(run_dir, step, self.args.save_total_limit, self.state.best_model_checkpoint)
         run.progress.published(run_dir, step)  # again, without the checkpoints the rotation removed

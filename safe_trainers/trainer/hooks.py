@@ -42,7 +42,9 @@ from ..restarts.publishing import recover_staging
 from ..restarts.resume_plan import record_resume, resolve_run
 from ..runtime.checkpoint_dirs import checkpoint_step
 from . import inspection
-from .background_checkpoints import announce, announce_if_written, prepare_buffers, training_stops_here
+from .background_checkpoints import (
+    announce, announce_if_written, announce_on_error, prepare_buffers, training_stops_here,
+)  # fmt: skip
 from .checkpoints import CheckpointHooks
 from .run import ClosedWindow, SafeRun
 from .run_control import after_boundary, after_train, preempted_at_end
@@ -92,8 +94,10 @@ class NanGuardTrainerMixin(CheckpointHooks):
             if guard is not None:
                 announce(self)  # the last save is published before `train()` returns
         finally:
+            if run.saves is not None and guard is not None:
+                announce_on_error(self)  # left by an exception: a save in flight is published and announced
             if run.saves is not None:
-                run.saves.close()  # left by an exception: the writer is done before `output_dir` is let go
+                run.saves.close()  # the writer is done before `output_dir` is let go
             if guard is not None:
                 inspection.before_write(self)  # the caller may write the weights next: no snapshot copy in flight
                 after_train(self)  # signal handlers back, watchdog stopped

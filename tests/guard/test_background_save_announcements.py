@@ -1,5 +1,5 @@
 """Readers of a checkpoint written in the background that still see it differently from a synchronous save's
-(found in review): each test runs the real SFT trainer on a tiny toy model, with the writer held mid-checkpoint."""
+(found in review: the upload, an exception with a save in flight): each test runs the real SFT trainer on a tiny toy model, with the writer held mid-checkpoint."""
 
 from __future__ import annotations
 
