@@ -1,5 +1,6 @@
-"""Readers of a checkpoint written in the background that still see it differently from a synchronous save's
-(found in review: the upload, an exception with a save in flight): each test runs the real SFT trainer on a tiny toy model, with the writer held mid-checkpoint."""
+"""Readers of a checkpoint written in the background that saw it differently from a synchronous save's (found in
+review): the upload's label, and a `train()` left by an exception with a save in flight. Each test runs the real SFT
+trainer on a tiny toy model, with the writer held mid-checkpoint."""
 
 from __future__ import annotations
 
