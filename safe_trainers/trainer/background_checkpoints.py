@@ -182,6 +182,5 @@ def training_stops_here(trainer: Any) -> bool:
 
 __all__ = [
     "SaveAwareCallbackHandler", "announce", "announce_if_written", "announce_on_error", "prepare_buffers",
-    "saves_in_background",
-    "train_began", "training_stops_here",
+    "saves_in_background", "train_began", "training_stops_here",
 ]  # fmt: skip
