@@ -81,7 +81,9 @@ def _global_step(path: str) -> int | None:
 def _log_history(path: str) -> list[dict[str, Any]]:
     state = _load(path) or {}
     history = state.get("log_history", [])
-    return [e for e in history if isinstance(e, dict) and isinstance(e.get("step"), int)] if isinstance(history, list) else []
+    if not isinstance(history, list):
+        return []
+    return [e for e in history if isinstance(e, dict) and isinstance(e.get("step"), int)]
 
 
 def _load(path: str) -> dict[str, Any] | None:

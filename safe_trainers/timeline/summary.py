@@ -49,7 +49,8 @@ def time_lines(found: Goodput, processes: int) -> list[str]:
     return [
         f"wall time {found.wall:.1f} s in {processes} process(es){gaps}; {found.in_steps:.1f} s inside optimizer "
         f"steps, {found.productive:.1f} s of them productive",
-        f"goodput {100 * found.ratio:.1f}% (productive step time / wall time)" + (f"; lost: {', '.join(lost)}" if lost else ""),
+        f"goodput {100 * found.ratio:.1f}% (productive step time / wall time)"
+        + (f"; lost: {', '.join(lost)}" if lost else ""),
     ]
 
 
