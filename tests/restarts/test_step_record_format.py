@@ -24,7 +24,8 @@ HISTORY = History(
 )  # fmt: skip
 RECORD = (
     '{"attempt": 3, "step": 9, "phase": "step", "time": 1795899300.125, "step_seconds": 12.5, "data": "' + DATA + '", '
-    '"deaths": [{"attempt": 1, "step": 7}, {"attempt": 2, "step": null}], "poisoned": [{"step": 7, "attempts": [0, 1]}], '
+    '"deaths": [{"attempt": 1, "step": 7}, {"attempt": 2, "step": null}], '
+    '"poisoned": [{"step": 7, "attempts": [0, 1]}], '
     '"launch": ["' + AGENT + '"], "restart": 2, "stage": 1, "origin": "out/checkpoint-2", "checkpoints": [4, 8], '
     '"result": {"global_step": 8, "training_loss": 0.5, "metrics": {"train_loss": 0.5}}, "began": 1795899200.5, '
     '"first_step": 8, "spans": [{"attempt": 2, "began": 1795899000.5, "ended": 1795899100.25, "first_step": 4, '
