@@ -73,7 +73,7 @@ def process_spans(record: Progress | None) -> list[ProcessSpan]:
     history = record.history
     spans = [ProcessSpan(s.attempt, s.began, s.ended, s.first_step, s.last_step, s.step_seconds) for s in history.spans]
     if history.began is not None:
-        last = record.step if record.phase != "step" else record.step - 1  # a step still running has not counted
+        last = record.step if record.phase not in ("step", "compile") else record.step - 1  # a step still running has not counted
         spans.append(
             ProcessSpan(history.attempt, history.began, record.time, history.first_step, max(last, history.first_step),
                         record.step_seconds, record.finished)  # fmt: skip
