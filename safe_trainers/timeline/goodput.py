@@ -73,7 +73,8 @@ def process_spans(record: Progress | None) -> list[ProcessSpan]:
     history = record.history
     spans = [ProcessSpan(s.attempt, s.began, s.ended, s.first_step, s.last_step, s.step_seconds) for s in history.spans]
     if history.began is not None:
-        last = record.step if record.phase not in ("step", "compile") else record.step - 1  # a step still running has not counted
+        inside = record.phase in ("step", "compile")  # a step still running (or compiling) has not counted
+        last = record.step - 1 if inside else record.step
         spans.append(
             ProcessSpan(history.attempt, history.began, record.time, history.first_step, max(last, history.first_step),
                         record.step_seconds, record.finished)  # fmt: skip
@@ -87,8 +88,8 @@ def goodput(spans: list[ProcessSpan], events: list[dict[str, Any]]) -> Goodput:
         return Goodput(0.0, 0.0, 0.0, 0, 0, [])
     lost = _not_applied(events)
     productive, redone = 0.0, 0
-    for span, after in zip(spans, spans[1:] + [None]):
-        kept_until = min(span.last_step, after.first_step) if after is not None else span.last_step
+    for index, span in enumerate(spans):  # a later process that resumed earlier redid this one's steps past there
+        kept_until = min([span.last_step] + [later.first_step for later in spans[index + 1 :]])
         kept = max(kept_until - span.first_step, 0)
         redone += span.steps - kept
         counted = kept - sum(1 for step in lost if span.first_step < step <= kept_until)
