@@ -52,7 +52,7 @@ def read_run(output_dir: str) -> RunFiles:
     source = newest_trainer_state(output_dir)
     history = _log_history(source) if source is not None else []
     run = RunFiles(output_dir, history, source if history else None, read_events(output_dir), read_progress(output_dir))
-    if not run.log_history and not run.events and run.record is None:
+    if source is None and not run.events and run.record is None:
         raise ValueError(
             f"`{output_dir}` holds no `{TRAINER_STATE}`, no checkpoint, no `nan_events.jsonl` and no step record: it "
             "is not the `output_dir` of a run (yet). Pass the directory given as `output_dir` to the trainer."
