@@ -53,3 +53,49 @@ def test_the_metrics_are_this_runs_not_those_of_an_earlier_runs_checkpoint(tmp_p
     writer.close()
     run = read_run(str(tmp_path))
     assert run.log_source == str(tmp_path / "checkpoint-20" / "trainer_state.json")
+
+
+def test_a_hang_that_restarted_the_run_keeps_its_marker(tmp_path):
+    # As in tests/restarts/test_preemption_and_hangs.py::test_a_rank_that_hangs_is_detected_and_a_step_that_hangs_
+    # twice_is_skipped: the watchdog records the hang at step 6 and the process exits; the agent restarts it from
+    # checkpoint-4, and the new process's event log keeps only the events up to step 4. The timeline must still mark
+    # the hang (the requirement: a marker at each hang).
+    from safe_trainers.runtime.events import EventLog, RunEvent
+    from safe_trainers.timeline import markers
+
+    first = EventLog(str(tmp_path), write=True)
+    first.start_run(None)
+    first.add(RunEvent(6, "hang", [], [1], {"seconds": 10.5, "exited": True}))
+    second = EventLog(str(tmp_path), write=True)
+    second.start_run(4)
+    second.add(RunEvent(4, "resume", [], [], {"checkpoint": "checkpoint-4", "restart": 1, "deaths": []}))
+    shown = {(m.kind, m.step) for m in markers(read_run(str(tmp_path)).events)}
+    assert ("hang", 6) in shown, shown
+
+
+def test_a_finished_call_reentered_after_a_restart_keeps_its_goodput():
+    # A script's first `train()` call (output_dir A) finished at step 100 after 100 s (90 s in steps); its second
+    # call (output_dir B) ran 3600 s and died; torchrun restarted the script, whose first call trains no step (it had
+    # finished) and returns at once. A's goodput is that of the 100 s it trained, not diluted by B's hour.
+    from safe_trainers.restarts.progress import inherit
+
+    done = Progress(100, "finished", "d", History(0, began=1000.0, result={"global_step": 100}), 1100.0, 90.0)
+    history = inherit(done, continuing=True, data="d", skip_after=2)
+    reentered = Progress(100, "finished", "d", History(1, began=4700.0, first_step=100, spans=history.spans,
+                                                       result={"global_step": 100}), 4701.0, 0.0)  # fmt: skip
+    assert goodput(process_spans(reentered), []).ratio == 0.9
+
+
+def test_a_record_whose_spans_a_newer_version_extended_still_loads(tmp_path):
+    # Forward compatibility: unknown top-level fields of a newer record are ignored (`from_json` keeps the known
+    # ones), but one more field in a span makes the whole record unreadable, and a restart then starts over from
+    # step 0 (no record: not this launch's).
+    from safe_trainers.restarts.progress import PROGRESS_FILE, read_progress
+
+    span = ('{"attempt": 0, "began": 1000.0, "ended": 1080.0, "first_step": 0, "last_step": 7, "step_seconds": 70.0, '
+            '"finished": false}')  # fmt: skip
+    text = ('{"attempt": 1, "step": 9, "phase": "step", "time": 1150.0, "step_seconds": 40.0, "data": "d", '
+            '"began": 1100.0, "first_step": 4, "spans": [' + span + '], "a_newer_field": 1}')  # fmt: skip
+    with open(tmp_path / PROGRESS_FILE, "w") as f:
+        f.write(text)
+    assert read_progress(str(tmp_path)) is not None
