@@ -2,9 +2,9 @@
 wall time from the first process's start to the last one's last record, restarts and their gaps included.
 
 Each process of the run is a [`ProcessSpan`] (from the step record: the earlier processes' spans and the writing
-one's). A process's steps after the step the next process resumed at are redone, and steps whose update the guard
-did not apply (`skip`, `spike`, `poison`) or threw away (a rollback's `discarded_steps`) do not count; each costs
-the process's mean step time, since the record keeps the sum of its step times, not each one.
+one's). A process's steps after the earliest step a later process resumed at are redone, and steps whose update the
+guard did not apply (`skip`, `spike`, `poison`) or threw away (a rollback's `discarded_steps`) do not count; each
+costs the process's mean step time, since the record keeps the sum of its step times, not each one.
 """
 
 from __future__ import annotations
