@@ -99,3 +99,21 @@ def test_a_record_whose_spans_a_newer_version_extended_still_loads(tmp_path):
     with open(tmp_path / PROGRESS_FILE, "w") as f:
         f.write(text)
     assert read_progress(str(tmp_path)) is not None
+
+
+def test_a_resume_from_a_checkpoint_not_named_checkpoint_n_records_the_step_it_resumed_at(toy_models, tmp_path):
+    # `resume_from_checkpoint="/somewhere/kept"` (a copied or renamed checkpoint of step 2): the process resumes at
+    # step 2, but its span says it began at step 0, so the timeline counts every step of the earlier process redone.
+    import shutil
+
+    from safe_trainers.restarts.progress import read_progress
+    from safe_trainers.testing.build import build_trainer
+
+    out = tmp_path / "run"
+    build_trainer("sft", toy_models["qwen2"], str(out), preset="guarded", max_steps=4, save_steps=2, rows=48).train()
+    shutil.copytree(out / "checkpoint-2", tmp_path / "kept")
+    again = build_trainer("sft", toy_models["qwen2"], str(out), preset="guarded", max_steps=6, save_steps=2, rows=48)
+    again.train(resume_from_checkpoint=str(tmp_path / "kept"))
+    spans = process_spans(read_progress(str(out)))
+    assert [(s.first_step, s.last_step) for s in spans] == [(0, 4), (2, 6)]
+    assert goodput(spans, []).redone_steps == 2
