@@ -117,3 +117,15 @@ def test_a_resume_from_a_checkpoint_not_named_checkpoint_n_records_the_step_it_r
     spans = process_spans(read_progress(str(out)))
     assert [(s.first_step, s.last_step) for s in spans] == [(0, 4), (2, 6)]
     assert goodput(spans, []).redone_steps == 2
+
+
+def test_a_run_without_a_step_record_is_not_said_to_have_one_of_an_older_version(tmp_path):
+    # nan_guard=False writes no step record: the summary's time line must not say the run has an older one, and
+    # should name the setting that records the wall times.
+    from safe_trainers.timeline import summary
+
+    os.makedirs(tmp_path / "checkpoint-4")
+    with open(tmp_path / "checkpoint-4" / "trainer_state.json", "w") as f:
+        json.dump({"global_step": 4, "log_history": [{"step": 2, "loss": 1.0}]}, f)
+    time_line = [line for line in summary(read_run(str(tmp_path))).splitlines() if "time:" in line][0]
+    assert "older version" not in time_line or "nan_guard" in time_line, time_line
