@@ -39,7 +39,7 @@ def state_line(run: RunFiles, now: float) -> str:
 
 def time_lines(found: Goodput, processes: int) -> list[str]:
     if found.ratio is None:
-        return ["time: not recorded (a step record of an older version)"]
+        return ["time: not recorded (no step record with wall times: `nan_guard=False`, or an older version's record)"]
     gaps = f", {sum(found.gaps):.1f} s between them" if found.gaps else ""
     lost = []
     if found.not_applied_steps:
