@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from ..runtime.files import open_no_follow
-from .record_format import Phase, record_problem
+from .record_format import SPAN_TYPES, Phase, record_problem
 
 PROGRESS_FILE = ".safe_trainers_progress.json"
 KEPT_DEATHS = 16
@@ -66,6 +66,7 @@ class Span:
         first_step (`int`): the step it resumed at (0: from the start).
         last_step (`int`): the last step it finished.
         step_seconds (`float`): the seconds it spent inside optimizer steps.
+        finished (`bool`): its `train()` call returned.
     """
 
     attempt: int
@@ -74,6 +75,7 @@ class Span:
     first_step: int
     last_step: int
     step_seconds: float
+    finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ class Progress:
         launch = kept.pop("launch", ())
         launch = (launch,) if isinstance(launch, str) else tuple(launch)
         checkpoints = tuple(int(s) for s in kept.pop("checkpoints", ()))
-        spans = tuple(Span(**span) for span in kept.pop("spans", []))
+        spans = tuple(Span(**{k: span[k] for k in SPAN_TYPES}) for span in kept.pop("spans", []))  # a newer one's too
         history = History(
             **kept, deaths=deaths, poisoned=poisoned, launch=launch, checkpoints=checkpoints, spans=spans
         )  # fmt: skip
@@ -181,7 +183,7 @@ def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: 
     if history.began is not None:  # the previous process's span (records of older versions have none)
         done = previous.step - 1 if previous.phase in ("step", "compile") else previous.step  # died inside a step
         span = Span(history.attempt, history.began, previous.time, history.first_step, max(done, history.first_step),
-                    previous.step_seconds)  # fmt: skip
+                    previous.step_seconds, previous.finished)  # fmt: skip
         spans = (spans + (span,))[-KEPT_SPANS:]
     return replace(
         history, attempt=history.attempt + 1, deaths=deaths, poisoned=poisoned, spans=spans, began=None, first_step=0

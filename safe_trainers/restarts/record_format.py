@@ -34,14 +34,23 @@ def record_problem(raw: Any) -> str | None:
             for p in raw.get("poisoned", [])),
         _ints(raw.get("checkpoints", [])),
         isinstance(raw.get("launch", ""), str) or all(isinstance(x, str) for x in raw["launch"]),
-        all(isinstance(x, dict) and _typed(x, **SPAN_TYPES) for x in raw.get("spans", [])),
+        all(isinstance(x, dict) and _has(x, SPAN_TYPES) for x in raw.get("spans", [])),
     ]  # fmt: skip
     if not all(items):
         return "`deaths`, `poisoned`, `checkpoints`, `launch` or `spans` hold values of the wrong type"
     return None
 
 
-SPAN_TYPES = dict(attempt=_INT, began=_SECONDS, ended=_SECONDS, first_step=_INT, last_step=_INT, step_seconds=_SECONDS)
+# A span's fields (`progress.Span`). A span may hold more (a newer version's): they are ignored, so that a newer
+# version's record still resumes the run.
+SPAN_TYPES = dict(
+    attempt=_INT, began=_SECONDS, ended=_SECONDS, first_step=_INT, last_step=_INT, step_seconds=_SECONDS,
+    finished=(bool,),
+)  # fmt: skip
+
+
+def _has(value: dict, types: dict[str, tuple[type, ...]]) -> bool:
+    return all(key in value and type(value[key]) in kinds for key, kinds in types.items())
 
 
 def _typed(value: dict, **types: tuple[type, ...]) -> bool:

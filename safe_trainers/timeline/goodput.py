@@ -71,7 +71,10 @@ def process_spans(record: Progress | None) -> list[ProcessSpan]:
     if record is None:
         return []
     history = record.history
-    spans = [ProcessSpan(s.attempt, s.began, s.ended, s.first_step, s.last_step, s.step_seconds) for s in history.spans]
+    spans = [
+        ProcessSpan(s.attempt, s.began, s.ended, s.first_step, s.last_step, s.step_seconds, s.finished)
+        for s in history.spans
+    ]
     if history.began is not None:
         inside = record.phase in ("step", "compile")  # a step still running (or compiling) has not counted
         last = record.step - 1 if inside else record.step
@@ -84,6 +87,7 @@ def process_spans(record: Progress | None) -> list[ProcessSpan]:
 
 def goodput(spans: list[ProcessSpan], events: list[dict[str, Any]]) -> Goodput:
     """The run's [`Goodput`] from its processes and its events (see the module docstring)."""
+    spans = worked(spans)
     if not spans:
         return Goodput(0.0, 0.0, 0.0, 0, 0, [])
     lost = _not_applied(events)
@@ -104,6 +108,15 @@ def goodput(spans: list[ProcessSpan], events: list[dict[str, Any]]) -> Goodput:
     )
 
 
+def worked(spans: list[ProcessSpan]) -> list[ProcessSpan]:
+    """The processes that belong to the run's time: a process that trained no step after the run finished (the
+    script restarted for a later `train()` call, or a finished run launched again) is not the run's."""
+    done = next((i for i, span in enumerate(spans) if span.finished), None)
+    if done is None:
+        return spans
+    return spans[: done + 1] + [span for span in spans[done + 1 :] if span.steps > 0]
+
+
 def _not_applied(events: list[dict[str, Any]]) -> set[int]:
     steps = {e["step"] for e in events if e.get("kind") in NOT_APPLIED and not _trained_anyway(e)}
     for event in events:
@@ -116,4 +129,4 @@ def _trained_anyway(event: dict[str, Any]) -> bool:
     return event.get("kind") == "poison" and event.get("skipped") is False  # a step that could not be left out
 
 
-__all__ = ["NOT_APPLIED", "Goodput", "ProcessSpan", "goodput", "process_spans"]
+__all__ = ["NOT_APPLIED", "Goodput", "ProcessSpan", "goodput", "process_spans", "worked"]

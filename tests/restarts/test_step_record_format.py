@@ -29,7 +29,7 @@ RECORD = (
     '"launch": ["' + AGENT + '"], "restart": 2, "stage": 1, "origin": "out/checkpoint-2", "checkpoints": [4, 8], '
     '"result": {"global_step": 8, "training_loss": 0.5, "metrics": {"train_loss": 0.5}}, "began": 1795899200.5, '
     '"first_step": 8, "spans": [{"attempt": 2, "began": 1795899000.5, "ended": 1795899100.25, "first_step": 4, '
-    '"last_step": 9, "step_seconds": 80.125}]}'
+    '"last_step": 9, "step_seconds": 80.125, "finished": false}]}'
 )
 # The format before the wall-time stamps and spans (what a restarted process may find, written by an older version).
 RECORD_BEFORE_SPANS = (

@@ -63,6 +63,12 @@ def test_a_hang_that_restarted_the_run_keeps_its_marker(tmp_path):
     from safe_trainers.runtime.events import EventLog, RunEvent
     from safe_trainers.timeline import markers
 
+    import time
+
+    # The step record of the restarted process: the run began (its first process) before the hang.
+    writer = ProgressWriter(str(tmp_path), History(1, began=time.time() - 60, first_step=4), "d")
+    writer.write(5, "step", time.time(), 1.0)
+    writer.close()
     first = EventLog(str(tmp_path), write=True)
     first.start_run(None)
     first.add(RunEvent(6, "hang", [], [1], {"seconds": 10.5, "exited": True}))
