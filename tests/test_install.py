@@ -34,7 +34,7 @@ def pinned_versions(path: Path = DEFAULT) -> dict[str, Version]:
     return pins
 
 
-def declared_requirements(groups: tuple[str, ...] = ("deepspeed", "test")) -> list[Requirement]:
+def declared_requirements(groups: tuple[str, ...] = ("deepspeed", "timeline", "test")) -> list[Requirement]:
     """`pyproject.toml`'s dependencies and those of the optional `groups`."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = [r for group in groups for r in project["optional-dependencies"][group]]
@@ -65,7 +65,7 @@ def test_the_floor_lane_pins_every_declared_floor():
 def test_upper_bounds_stop_at_the_newest_tested_minor():
     # The test tools (extra `test`) keep a major bound: they run this suite, not users' training.
     newest = pinned_versions(LANES["newest"])
-    for requirement in declared_requirements(groups=("deepspeed",)):
+    for requirement in declared_requirements(groups=("deepspeed", "timeline")):
         tested = newest[canonicalize_name(requirement.name)]
         assert bound(requirement, "<") == Version(f"{tested.major}.{tested.minor + 1}"), (requirement, tested)
 
@@ -95,7 +95,7 @@ def test_the_readme_names_the_tested_span_of_each_dependency():
     section = readme[readme.index("## Supported versions") :]
     floor, newest = pinned_versions(LANES["floor"]), pinned_versions(LANES["newest"])
     text = " ".join(section.split())
-    for requirement in declared_requirements(groups=("deepspeed",)):
+    for requirement in declared_requirements(groups=("deepspeed", "timeline")):
         name = canonicalize_name(requirement.name)
         span = f"{floor[name]}" if floor[name] == newest[name] else f"{floor[name]}-{newest[name]}"
         assert re.search(rf"\b{re.escape(requirement.name)} {re.escape(span)}\b", text), (requirement.name, span)

@@ -1,4 +1,5 @@
-"""`safe-trainers`: `check` a config, list the `rules`, run the `demo`, or sanitize an `openrlhf` command."""
+"""`safe-trainers`: `check` a config, list the `rules`, run the `demo`, draw a run's `timeline`, or sanitize an
+`openrlhf` command."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import check, demo, openrlhf, rules
+    from . import check, demo, openrlhf, rules, timeline
 
     parser = argparse.ArgumentParser(
         prog="safe-trainers",
         description="Safety rules and NaN guard for TRL trainers. See `safe-trainers <command> --help`.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (check, rules, demo, openrlhf):
+    for module in (check, rules, demo, timeline, openrlhf):
         module.register(sub)
     return parser
 

@@ -6,6 +6,10 @@ ends: one host-side write of a few hundred bytes into a file kept open (see [`Pr
 synchronisation. The next process of the run reads it before training and learns whether its predecessor
 died inside a step (and which) or between steps (logging, saving, evaluating, fetching data).
 
+Each write also stamps the wall time and the seconds this process has spent inside steps so far, and the history
+keeps a [`Span`] of each earlier process (when it began, when it last wrote, the steps it ran): what the run's
+timeline (`safe-trainers timeline`) computes the goodput and the restarts' gaps from.
+
 The decisions are pure: [`inherit`] turns the previous record into the new process's [`History`], and [`poison`] names
 the step whose batches killed the process `times` times in a row. Only a death *inside* a step counts; the same step
 means the same batches, because a resumed run reads exactly the batches of an uninterrupted one and `data` (the
@@ -18,17 +22,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal, get_args
-
+from dataclasses import asdict, dataclass, field, replace
 from ..runtime.files import open_no_follow
+from .record_format import SPAN_TYPES, Phase, record_problem
 
 PROGRESS_FILE = ".safe_trainers_progress.json"
 KEPT_DEATHS = 16
+KEPT_SPANS = 64
 # The largest step record read (a few hundred bytes; a few KB with many deaths and checkpoints).
 RECORD_LIMIT = 2**20
 
-Phase = Literal["step", "compile", "between", "finished"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,29 @@ class Poisoned:
 
 
 @dataclass(frozen=True)
+class Span:
+    """What one earlier process of the run did, in wall time.
+
+    Args:
+        attempt (`int`): the process's number in the run.
+        began (`float`): when it started training (seconds since the epoch).
+        ended (`float`): when it last wrote the record (its end, or close to its death).
+        first_step (`int`): the step it resumed at (0: from the start).
+        last_step (`int`): the last step it finished.
+        step_seconds (`float`): the seconds it spent inside optimizer steps.
+        finished (`bool`): its `train()` call returned.
+    """
+
+    attempt: int
+    began: float
+    ended: float
+    first_step: int
+    last_step: int
+    step_seconds: float
+    finished: bool = False
+
+
+@dataclass(frozen=True)
 class History:
     """What a process inherits from the earlier processes of its run.
 
@@ -60,7 +86,8 @@ class History:
     (see `agents.py`): the elastic agents of the launch and the restart count of the process that writes the record,
     which of the script's `train()` calls with this `output_dir` it is, the checkpoint the launch began from, the
     steps of the checkpoints it published (a restarted process trusts only these, never those an earlier run left in
-    the same `output_dir`), and what its `train()` returned once it finished.
+    the same `output_dir`), and what its `train()` returned once it finished. `began` and `first_step`: when the
+    writing process started training, and at which step; `spans`: the earlier processes' [`Span`]s.
     """
 
     attempt: int = 0
@@ -72,6 +99,9 @@ class History:
     origin: str | None = None
     checkpoints: tuple[int, ...] = ()
     result: dict | None = None
+    began: float | None = None
+    first_step: int = 0
+    spans: tuple[Span, ...] = ()
 
     def poisoned_step(self, step: int) -> Poisoned | None:
         return next((p for p in self.poisoned if p.step == step), None)
@@ -91,12 +121,16 @@ class Progress:
         data (`str`): what makes a step number name the same batches (see [`data_identity`]).
         history ([`History`]): the run's history as the writing process held it (`history.attempt`: its number in
             the run).
+        time (`float`): when it was written (seconds since the epoch; 0 in records of older versions).
+        step_seconds (`float`): the seconds the writing process had spent inside optimizer steps.
     """
 
     step: int
     phase: Phase
     data: str
     history: History = History()
+    time: float = field(default=0.0, compare=False)
+    step_seconds: float = field(default=0.0, compare=False)
 
     @classmethod
     def from_json(cls, text: str) -> Progress:
@@ -111,51 +145,18 @@ class Progress:
         launch = kept.pop("launch", ())
         launch = (launch,) if isinstance(launch, str) else tuple(launch)
         checkpoints = tuple(int(s) for s in kept.pop("checkpoints", ()))
-        history = History(**kept, deaths=deaths, poisoned=poisoned, launch=launch, checkpoints=checkpoints)
-        return cls(raw["step"], raw["phase"], raw["data"], history)
+        spans = tuple(Span(**{k: span[k] for k in SPAN_TYPES}) for span in kept.pop("spans", []))  # a newer one's too
+        history = History(
+            **kept, deaths=deaths, poisoned=poisoned, launch=launch, checkpoints=checkpoints, spans=spans
+        )  # fmt: skip
+        return cls(
+            raw["step"], raw["phase"], raw["data"], history, raw.get("time", 0.0), raw.get("step_seconds", 0.0)
+        )  # fmt: skip
 
     @property
     def finished(self) -> bool:
         """Whether the record's `train()` call finished (it may have died since, finishing again after a restart)."""
         return self.phase == "finished" or self.history.result is not None
-
-
-_INT, _OPTIONAL_INT = (int,), (int, type(None))
-# The fields of a record: field -> the types read (absent fields of an older version take their default).
-RECORD_TYPES: dict[str, tuple[type, ...]] = {
-    "attempt": _INT, "step": _INT, "phase": (str,), "data": (str,), "restart": _INT, "stage": _INT,
-    "origin": (str, type(None)), "result": (dict, type(None)), "deaths": (list,), "poisoned": (list,),
-    "checkpoints": (list,), "launch": (str, list),
-}  # fmt: skip
-REQUIRED = ("attempt", "step", "phase", "data")
-
-
-def record_problem(raw: Any) -> str | None:
-    """Why a parsed step record cannot be read (wrong shape or types: not written by this product), or `None`."""
-    if not isinstance(raw, dict):
-        return f"a JSON `{type(raw).__name__}`, not an object"
-    missing = [key for key in REQUIRED if key not in raw]
-    wrong = [k for k, types in RECORD_TYPES.items() if k in raw and (type(raw[k]) not in types)]
-    if missing or wrong:
-        return f"`{(missing or wrong)[0]}` is missing or of the wrong type"
-    if raw["phase"] not in get_args(Phase):
-        return f"`phase` is {raw['phase'][:40]!r}"
-    items = [
-        all(isinstance(d, dict) and _typed(d, attempt=_INT, step=_OPTIONAL_INT) for d in raw.get("deaths", [])),
-        all(isinstance(p, dict) and _typed(p, step=_INT, attempts=(list,)) and _ints(p["attempts"])
-            for p in raw.get("poisoned", [])),
-        _ints(raw.get("checkpoints", [])),
-        isinstance(raw.get("launch", ""), str) or all(isinstance(x, str) for x in raw["launch"]),
-    ]  # fmt: skip
-    return None if all(items) else "`deaths`, `poisoned`, `checkpoints` or `launch` hold values of the wrong type"
-
-
-def _typed(value: dict, **types: tuple[type, ...]) -> bool:
-    return set(value) == set(types) and all(type(value[k]) in t for k, t in types.items())
-
-
-def _ints(values: list) -> bool:
-    return all(type(v) is int for v in values)
 
 
 def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: int) -> History:
@@ -178,7 +179,15 @@ def inherit(previous: Progress | None, continuing: bool, data: str, skip_after: 
     found = poison(deaths, skip_after)
     if found is not None and all(p.step != found.step for p in poisoned):
         poisoned += (found,)
-    return replace(history, attempt=history.attempt + 1, deaths=deaths, poisoned=poisoned)
+    spans = history.spans
+    if history.began is not None:  # the previous process's span (records of older versions have none)
+        done = previous.step - 1 if previous.phase in ("step", "compile") else previous.step  # died inside a step
+        span = Span(history.attempt, history.began, previous.time, history.first_step, max(done, history.first_step),
+                    previous.step_seconds, previous.finished)  # fmt: skip
+        spans = (spans + (span,))[-KEPT_SPANS:]
+    return replace(
+        history, attempt=history.attempt + 1, deaths=deaths, poisoned=poisoned, spans=spans, began=None, first_step=0
+    )
 
 
 def poison(deaths: tuple[Death, ...], times: int) -> Poisoned | None:
@@ -212,8 +221,9 @@ class ProgressWriter:
 
     The file is opened once; each write is one `pwrite` of a few hundred bytes at offset 0 (padded to the longest
     record written, so no byte of an older record is left behind), about a microsecond: a process killed by a signal
-    never leaves half a record, as the kernel finishes the write first. Only `step` and `phase` change between steps;
-    the rest ([`History`]) is rendered again when it changes (a published checkpoint, the end of training).
+    never leaves half a record, as the kernel finishes the write first. Only `step`, `phase`, `time` and
+    `step_seconds` change between steps; the rest ([`History`]) is rendered again when it changes (a published
+    checkpoint, the end of training).
     """
 
     def __init__(self, output_dir: str, history: History, data: str):
@@ -237,10 +247,11 @@ class ProgressWriter:
         rest.pop("attempt")
         self._history = history
         self._head = f'{{"attempt": {history.attempt}, "step": '
-        self._tail = f'", {json.dumps({"data": self._data, **rest})[1:]}'
+        self._tail = f', {json.dumps({"data": self._data, **rest})[1:]}'
 
-    def write(self, step: int, phase: Phase) -> None:
-        text = f'{self._head}{step}, "phase": "{phase}{self._tail}'.encode()
+    def write(self, step: int, phase: Phase, time: float = 0.0, step_seconds: float = 0.0) -> None:
+        stamps = f'", "time": {round(time, 3)}, "step_seconds": {round(step_seconds, 3)}'
+        text = f'{self._head}{step}, "phase": "{phase}{stamps}{self._tail}'.encode()
         self._size = max(self._size, len(text))
         os.pwrite(self._fd, text.ljust(self._size), 0)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -48,16 +49,19 @@ class StepProgress:
         self.dropping = False
         self._writer: ProgressWriter | None = None
         self._last: tuple[int, Phase] = (0, "between")
+        self.step_seconds = 0.0  # this process's time inside optimizer steps (the record stamps it)
+        self._step_began: float | None = None
         self._lock = threading.RLock()  # a background save's writer thread records its publication (`published`)
 
     def start(self, history: History, data: str, step: int = 0) -> None:
         """Called by `train()` with what this process inherits from the run's earlier processes, and the step it
         resumes at. The record is written at once (between steps): a death while the run starts up (loading,
         wrapping the model, the first snapshot) keeps the run's history and is never blamed on a step's data."""
-        self.history, self.dropping = history, False
+        self.history, self.dropping = replace(history, began=time.time(), first_step=step), False
+        self.step_seconds, self._step_began = 0.0, None
         if self._writer is not None:
             self._writer.close()
-        self._writer = ProgressWriter(self.output_dir, history, data) if self.main else None
+        self._writer = ProgressWriter(self.output_dir, self.history, data) if self.main else None
         self._save(step, "between")
 
     @staticmethod
@@ -71,10 +75,14 @@ class StepProgress:
         if poisoned is not None:
             self.dropping = self.can_leave_out
             self._report(step, poisoned, accumulation)
+        self._step_began = time.perf_counter()
         self._save(step, "step")
 
     def step_ended(self, step: int) -> None:
         self.dropping = False
+        if self._step_began is not None:
+            self.step_seconds += time.perf_counter() - self._step_began
+            self._step_began = None
         self._save(step, "between")
 
     def train_ended(self, step: int) -> None:
@@ -114,13 +122,13 @@ class StepProgress:
             self.history = history
             if self._writer is not None:
                 self._writer.history = history
-                self._writer.write(*self._last)
+                self._writer.write(*self._last, time.time(), self.step_seconds)
 
     def _save(self, step: int, phase: Phase) -> None:
         with self._lock:
             self._last = (step, phase)
             if self._writer is not None:
-                self._writer.write(step, phase)
+                self._writer.write(step, phase, time.time(), self.step_seconds)
 
     def _report(self, step: int, poisoned: Poisoned, accumulation: int) -> None:
         batches = [(step - 1) * accumulation, step * accumulation - 1]

@@ -5,6 +5,7 @@ the recovery after a crash are in `restarts/publishing.py`)."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import stat
@@ -75,6 +76,22 @@ def checkpoint_step(path: str) -> int | None:
     """The step of a `checkpoint-N` directory (`None` for any other name)."""
     match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
     return int(match.group(1)) if match else None
+
+
+def resumed_step(path: str | None) -> int:
+    """The step training resumes at from the checkpoint `path` (0 without one): its name's `checkpoint-N`, else the
+    `global_step` of its `trainer_state.json` (a copied or renamed checkpoint), else 0."""
+    if not path:
+        return 0
+    step = checkpoint_step(path)
+    if step is not None:
+        return step
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            found = json.load(f).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return found if isinstance(found, int) else 0
 
 
 def checkpoints(run_dir: str) -> list[str]:

@@ -108,7 +108,11 @@ class EventLog:
 def read_events(output_dir: str) -> list[dict[str, Any]]:
     """The events recorded in `output_dir/nan_events.jsonl` (empty if none); a line that is not an event (does not
     parse, is not an object with an integer `step`, is over `EVENT_LINE_LIMIT` bytes) is skipped with a warning."""
-    path = os.path.join(output_dir, EVENTS_FILE)
+    return read_event_file(os.path.join(output_dir, EVENTS_FILE))
+
+
+def read_event_file(path: str) -> list[dict[str, Any]]:
+    """The events of one event log file (the run's, or a kept `nan_events.previous-<n>.jsonl`), as [`read_events`]."""
     if not os.path.exists(path):
         return []
     return [event for _, event in _lines(path) if event is not None]

@@ -40,7 +40,7 @@ from transformers.trainer_utils import TrainOutput
 from ..restarts.output_lock import hold_output_dir
 from ..restarts.publishing import recover_staging
 from ..restarts.resume_plan import record_resume, resolve_run
-from ..runtime.checkpoint_dirs import checkpoint_step
+from ..runtime.checkpoint_dirs import resumed_step
 from . import inspection
 from .background_checkpoints import (
     announce, announce_if_written, announce_on_error, prepare_buffers, training_stops_here,
@@ -83,7 +83,7 @@ class NanGuardTrainerMixin(CheckpointHooks):
             run.hooks_ran.clear()  # each `train()` call proves its own hooks (`hooks_ran.py`)
             guard.start_run(plan.checkpoint, self.optimizer)
             record_resume(run.events, plan)
-            run.progress.start(plan.history, plan.data, checkpoint_step(plan.checkpoint or "") or 0)
+            run.progress.start(plan.history, plan.data, resumed_step(plan.checkpoint))
         try:
             output = super().train(
                 resume_from_checkpoint=plan.checkpoint,

@@ -15,6 +15,7 @@ import sys
 import pytest
 from guard_utils import nonfinite_in_checkpoints
 from net_utils import EXIT_RACE, free_port
+from timeline_utils import drawn_timeline
 
 from safe_trainers.guard import read_events
 from safe_trainers.testing.toy import save_toy_model
@@ -116,6 +117,8 @@ def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
     events = check_in_sync(results, skips, rollbacks, tmp_path / "out")
     assert_events(events, expected)
     assert all(r["global_step"] == 8 for r in results)
+    _, markers = drawn_timeline(str(tmp_path / "out" / "run"), str(tmp_path))  # its timeline marks every event
+    assert markers == {(step, kind)[::-1] for step, kind, _ in expected}
 
 
 @pytest.mark.parametrize(

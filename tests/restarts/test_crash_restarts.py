@@ -17,6 +17,7 @@ import sys
 import pytest
 from guard_utils import nonfinite_in_checkpoints, recording
 from net_utils import EXIT_RACE
+from timeline_utils import drawn_timeline
 from safetensors.torch import load_file, save_file
 
 from safe_trainers.guard import read_events
@@ -228,6 +229,10 @@ def test_restart_continues_from_the_checkpoint_and_skips_a_poison_step(tmp_path)
     assert resumes[-1]["deaths"] == [{"attempt": 0, "step": 6}, {"attempt": 1, "step": 7}, {"attempt": 2, "step": 7}]
     assert (events[5]["attempts"], events[5]["micro_batches"], events[5]["skipped"]) == ([1, 2], [6, 6], True)
     assert not nonfinite_in_checkpoints(run)
+    # Its timeline: a marker per event, four processes; steps 5, 5-6 and 5-6 of the three that died were redone.
+    text, markers = drawn_timeline(run, str(tmp_path))
+    assert markers == {("skip", 3), ("rollback", 3), ("restart", 4), ("poison", 7), ("skip", 7)}
+    assert "in 4 process(es)" in text and "5 step(s) redone after a restart" in text, text
 
 
 @pytest.mark.distributed

@@ -16,6 +16,7 @@ import time
 import pytest
 from guard_utils import nonfinite_in_checkpoints, recording
 from test_crash_restarts import REPO, WORKER, assert_uninterrupted_batches, launch_restarting, steps
+from timeline_utils import drawn_timeline
 from transformers import TrainerCallback
 
 from safe_trainers.configs import config_class
@@ -204,6 +205,9 @@ def test_sigterm_on_one_process_publishes_that_step_and_the_restart_goes_on(tmp_
     events = read_events(run)
     assert [(e["step"], e["kind"]) for e in events] == [(5, "preempt"), (5, "resume")]
     assert events[1]["checkpoint"] == os.path.join(run, "checkpoint-5") and not nonfinite_in_checkpoints(run)
+    text, markers = drawn_timeline(run, str(tmp_path))  # its timeline: two processes, nothing redone
+    assert markers == {("preempt", 5), ("restart", 5)}
+    assert "in 2 process(es)" in text and "redone" not in text and "state: finished at step 8" in text, text
 
 
 @pytest.mark.distributed
@@ -221,6 +225,8 @@ def test_sigterm_on_one_rank_of_two_stops_both_at_the_same_step(tmp_path):
     events = read_events(run)
     assert [(e["step"], e["kind"]) for e in events] == [(6, "preempt"), (6, "resume")]
     assert events[0]["ranks"] == [1] and events[1]["checkpoint"] == os.path.join(run, "checkpoint-6")
+    text, markers = drawn_timeline(run, str(tmp_path))  # drawn from rank 0's files
+    assert markers == {("preempt", 6), ("restart", 6)} and "in 2 process(es)" in text, text
 
 
 @pytest.mark.distributed
