@@ -1,4 +1,6 @@
-"""Defects found in review of `safe-trainers timeline` (branch h-timeline): each test reproduces one."""
+"""The timeline on the runs that are easy to get wrong: a later process resuming before an earlier resume point, a
+record written while compiling, a run without the guard or its step record, an earlier run's checkpoints in
+`output_dir`, a hang a resume cut from the event log, a finished call re-entered, a newer record, a renamed checkpoint."""
 
 from __future__ import annotations
 
