@@ -77,6 +77,16 @@ class Span:
     step_seconds: float
     finished: bool = False
 
+    @property
+    def steps(self) -> int:
+        """The steps it finished."""
+        return max(self.last_step - self.first_step, 0)
+
+    @property
+    def mean_step(self) -> float:
+        """Its mean step time (0 with no step)."""
+        return self.step_seconds / self.steps if self.steps else 0.0
+
 
 @dataclass(frozen=True)
 class History:

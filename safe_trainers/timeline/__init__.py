@@ -9,13 +9,14 @@ them, and a text summary with the goodput.
 - `picture.py` draws the PNG and the self-contained HTML (matplotlib, the optional extra `[timeline]`).
 """
 
-from .goodput import Goodput, ProcessSpan, goodput, process_spans
+from ..restarts.progress import Span
+from .goodput import Goodput, goodput, process_spans
 from .markers import MARKER_KINDS, Marker, markers
 from .run_files import RunFiles, read_run
 from .summary import summary
 
 
 __all__ = [
-    "MARKER_KINDS", "Goodput", "Marker", "ProcessSpan", "RunFiles", "goodput", "markers", "process_spans", "read_run",
+    "MARKER_KINDS", "Goodput", "Marker", "RunFiles", "Span", "goodput", "markers", "process_spans", "read_run",
     "summary",
 ]  # fmt: skip

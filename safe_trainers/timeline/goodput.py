@@ -1,7 +1,7 @@
 """The goodput of a run: the time spent in optimizer steps that count (their update is in the final weights) over the
 wall time from the first process's start to the last one's last record, restarts and their gaps included.
 
-Each process of the run is a [`ProcessSpan`] (from the step record: the earlier processes' spans and the writing
+Each process of the run is a [`Span`] (from the step record: the earlier processes' spans and the writing
 one's). A process's steps after the earliest step a later process resumed at are redone, and steps whose update the
 guard did not apply (`skip`, `spike`, `poison`) or threw away (a rollback's `discarded_steps`) do not count; each
 costs the process's mean step time, since the record keeps the sum of its step times, not each one.
@@ -12,32 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..restarts.progress import Progress
+from ..restarts.progress import Progress, Span
 
 # Events whose step's update is not in the weights; a rollback lists the applied steps it threw away.
 NOT_APPLIED = ("skip", "spike", "poison")
-
-
-@dataclass(frozen=True)
-class ProcessSpan:
-    """One process of the run, in wall time: it trained from `first_step` to `last_step`, between `began` and
-    `ended` (its last record), `step_seconds` of it inside optimizer steps; `finished`: its `train()` returned."""
-
-    attempt: int
-    began: float
-    ended: float
-    first_step: int
-    last_step: int
-    step_seconds: float
-    finished: bool = False
-
-    @property
-    def steps(self) -> int:
-        return max(self.last_step - self.first_step, 0)
-
-    @property
-    def mean_step(self) -> float:
-        return self.step_seconds / self.steps if self.steps else 0.0
 
 
 @dataclass(frozen=True)
@@ -66,26 +44,23 @@ class Goodput:
         return self.productive / self.wall if self.wall > 0 else None
 
 
-def process_spans(record: Progress | None) -> list[ProcessSpan]:
+def process_spans(record: Progress | None) -> list[Span]:
     """Every process of the run the step record knows of, in order (none for a record of an older version)."""
     if record is None:
         return []
     history = record.history
-    spans = [
-        ProcessSpan(s.attempt, s.began, s.ended, s.first_step, s.last_step, s.step_seconds, s.finished)
-        for s in history.spans
-    ]
+    spans = list(history.spans)
     if history.began is not None:
         inside = record.phase in ("step", "compile")  # a step still running (or compiling) has not counted
         last = record.step - 1 if inside else record.step
         spans.append(
-            ProcessSpan(history.attempt, history.began, record.time, history.first_step, max(last, history.first_step),
-                        record.step_seconds, record.finished)  # fmt: skip
+            Span(history.attempt, history.began, record.time, history.first_step, max(last, history.first_step),
+                 record.step_seconds, record.finished)  # fmt: skip
         )
     return spans
 
 
-def goodput(spans: list[ProcessSpan], events: list[dict[str, Any]]) -> Goodput:
+def goodput(spans: list[Span], events: list[dict[str, Any]]) -> Goodput:
     """The run's [`Goodput`] from its processes and its events (see the module docstring)."""
     spans = worked(spans)
     if not spans:
@@ -108,7 +83,7 @@ def goodput(spans: list[ProcessSpan], events: list[dict[str, Any]]) -> Goodput:
     )
 
 
-def worked(spans: list[ProcessSpan]) -> list[ProcessSpan]:
+def worked(spans: list[Span]) -> list[Span]:
     """The processes that belong to the run's time: a process that trained no step after the run finished (the
     script restarted for a later `train()` call, or a finished run launched again) is not the run's."""
     done = next((i for i, span in enumerate(spans) if span.finished), None)
@@ -129,4 +104,4 @@ def _trained_anyway(event: dict[str, Any]) -> bool:
     return event.get("kind") == "poison" and event.get("skipped") is False  # a step that could not be left out
 
 
-__all__ = ["NOT_APPLIED", "Goodput", "ProcessSpan", "goodput", "process_spans", "worked"]
+__all__ = ["NOT_APPLIED", "Goodput", "goodput", "process_spans", "worked"]

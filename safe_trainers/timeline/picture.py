@@ -11,7 +11,8 @@ import io
 import re
 from typing import Any
 
-from .goodput import ProcessSpan, process_spans
+from ..restarts.progress import Span
+from .goodput import process_spans
 from .markers import MARKER_KINDS, Marker, markers
 from .run_files import RunFiles
 
@@ -111,7 +112,7 @@ def spread(found: list[Marker], width: float = 0.12) -> list[float]:
     return xs
 
 
-def _process_panel(ax: Any, spans: list[ProcessSpan], found: list[Marker]) -> None:
+def _process_panel(ax: Any, spans: list[Span], found: list[Marker]) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel("wall time since the run began (s)")

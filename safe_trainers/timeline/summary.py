@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from .goodput import Goodput, ProcessSpan, goodput, process_spans
+from ..restarts.progress import Span
+from .goodput import Goodput, goodput, process_spans
 from .markers import MARKER_KINDS, Marker, markers
 from .run_files import RunFiles
 
@@ -67,7 +68,7 @@ def event_line(found: list[Marker]) -> str:
     return "; ".join(parts)
 
 
-def process_lines(spans: list[ProcessSpan]) -> list[str]:
+def process_lines(spans: list[Span]) -> list[str]:
     lines = []
     for index, span in enumerate(spans):
         gap = f", {span.began - spans[index - 1].ended:.1f} s after the previous one" if index else ""

@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from safe_trainers.restarts.progress import History, Progress, Span
-from safe_trainers.timeline.goodput import ProcessSpan, goodput, process_spans
+from safe_trainers.timeline.goodput import goodput, process_spans
 
 
 def test_a_restarted_run_counts_the_steps_the_dead_process_ran_past_its_checkpoint_as_redone():
     # Process 0 ran steps 0-7 in 70 s and died; process 1 resumed at checkpoint-4 after a 20 s gap and finished at
     # step 10 (60 s in steps). Steps 5-7 of process 0 were redone; step 9's update was skipped by the guard.
-    spans = [ProcessSpan(0, 1000.0, 1080.0, 0, 7, 70.0), ProcessSpan(1, 1100.0, 1170.0, 4, 10, 60.0, finished=True)]
+    spans = [Span(0, 1000.0, 1080.0, 0, 7, 70.0), Span(1, 1100.0, 1170.0, 4, 10, 60.0, finished=True)]
     found = goodput(spans, [{"step": 9, "kind": "skip"}])
     assert (found.wall, found.in_steps, found.redone_steps, found.not_applied_steps) == (170.0, 130.0, 3, 1)
     assert found.gaps == [20.0]
@@ -22,7 +22,7 @@ def test_a_restarted_run_counts_the_steps_the_dead_process_ran_past_its_checkpoi
 
 
 def test_a_rollback_discards_the_steps_it_threw_away():
-    spans = [ProcessSpan(0, 0.0, 10.0, 0, 10, 10.0, finished=True)]
+    spans = [Span(0, 0.0, 10.0, 0, 10, 10.0, finished=True)]
     events = [{"step": 6, "kind": "rollback", "discarded_steps": [5, 6]}, {"step": 6, "kind": "skip"}]
     assert goodput(spans, events).productive == 8.0
 
@@ -32,8 +32,8 @@ def test_the_spans_come_from_the_step_record():
     history = History(1, began=1100.0, first_step=4, spans=(earlier,))
     running = Progress(9, "step", "d", history, time=1150.0, step_seconds=40.0)
     assert process_spans(running) == [
-        ProcessSpan(0, 1000.0, 1080.0, 0, 7, 70.0),
-        ProcessSpan(1, 1100.0, 1150.0, 4, 8, 40.0),  # step 9 still running: 8 steps done
+        Span(0, 1000.0, 1080.0, 0, 7, 70.0),
+        Span(1, 1100.0, 1150.0, 4, 8, 40.0),  # step 9 still running: 8 steps done
     ]
     assert process_spans(Progress(9, "between", "d", History(1))) == []  # an older record: no times
 
@@ -48,7 +48,7 @@ def runs(draw):
         began = t + draw(st.floats(0, 100))
         seconds = draw(st.floats(0, 100))
         ended = began + seconds + draw(st.floats(0, 50))
-        spans.append(ProcessSpan(attempt, began, ended, first, last, seconds))
+        spans.append(Span(attempt, began, ended, first, last, seconds))
         t, step = ended, last
     events = [{"step": s, "kind": k} for s, k in draw(st.lists(st.tuples(st.integers(1, 120), st.sampled_from(
         ["skip", "spike", "poison", "rollback", "preempt"]))))]  # fmt: skip

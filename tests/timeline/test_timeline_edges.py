@@ -1,15 +1,16 @@
 """The timeline on the runs that are easy to get wrong: a later process resuming before an earlier resume point, a
 record written while compiling, a run without the guard or its step record, an earlier run's checkpoints in
-`output_dir`, a hang a resume cut from the event log, a finished call re-entered, a newer record, a renamed checkpoint."""
+`output_dir`, a hang a resume cut from the event log, a finished call re-entered, a newer record, a renamed
+checkpoint."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from safe_trainers.restarts.progress import History, Progress, ProgressWriter
+from safe_trainers.restarts.progress import History, Progress, ProgressWriter, Span
 from safe_trainers.timeline import read_run
-from safe_trainers.timeline.goodput import ProcessSpan, goodput, process_spans
+from safe_trainers.timeline.goodput import goodput, process_spans
 
 
 def test_a_resume_before_an_earlier_resume_point_counts_every_redone_step():
@@ -17,9 +18,9 @@ def test_a_resume_before_an_earlier_resume_point_counts_every_redone_step():
     # checkpoint-50 was then passed over and process 2 resumed at checkpoint-40 and finished at 100. Only steps 1-40
     # of process 0 are in the final weights: 100 productive steps, 17 + 3 redone.
     spans = [
-        ProcessSpan(0, 0.0, 60.0, 0, 57, 57.0),
-        ProcessSpan(1, 70.0, 75.0, 50, 53, 3.0),
-        ProcessSpan(2, 80.0, 150.0, 40, 100, 60.0, finished=True),
+        Span(0, 0.0, 60.0, 0, 57, 57.0),
+        Span(1, 70.0, 75.0, 50, 53, 3.0),
+        Span(2, 80.0, 150.0, 40, 100, 60.0, finished=True),
     ]
     found = goodput(spans, [])
     assert (found.productive, found.redone_steps) == (100.0, 20)
