@@ -6,7 +6,7 @@ import time
 from collections import defaultdict
 
 from ..restarts.progress import Span
-from .goodput import Goodput, goodput, process_spans
+from .goodput import Goodput, goodput, process_spans, worked
 from .markers import MARKER_KINDS, Marker, markers
 from .run_files import RunFiles
 
@@ -18,7 +18,7 @@ def summary(run: RunFiles, now: float | None = None) -> str:
     spans = process_spans(run.record)
     found = markers(run.events)
     lines = [f"Run in {run.output_dir}", f"  {state_line(run, now if now is not None else time.time())}"]
-    lines += [f"  {line}" for line in time_lines(goodput(spans, run.events), len(spans))]
+    lines += [f"  {line}" for line in time_lines(goodput(spans, run.events), len(worked(spans)))]
     lines.append("  events: " + (event_line(found) if found else "none"))
     lines += [f"  {line}" for line in process_lines(spans)]
     if run.log_source is None:
