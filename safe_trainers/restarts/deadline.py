@@ -142,8 +142,8 @@ class Deadline:
         return {"job_end": self.end, "seconds_left": left, "margin": margin}
 
     def saved(self, step: int) -> None:
-        """The checkpoint of `step` begun at [`save_began`] is published (at `on_save`, or on a background save's
-        writer thread as it publishes; a later save may have begun meanwhile): time it."""
+        """The checkpoint of `step` begun at [`save_began`] is published (told by `_after_published`, or by a background
+        save's writer thread as it publishes; a later save may have begun meanwhile): time it."""
         began = self._saves_began.pop(step, None)
         if began is not None:
             self.save_seconds = max(self.save_seconds or 0.0, self.clock() - began)

@@ -233,8 +233,8 @@ class Preemption:
             self.deadline.save_began(step)
 
     def saved(self, step: int) -> None:
-        """The checkpoint of `step` was published (`on_save`, or a background save's writer thread): the deadline
-        learns how long a save takes."""
+        """The checkpoint of `step` was published (told by `_after_published`, or by a background save's writer
+        thread): the deadline learns how long a save takes."""
         if self.deadline is not None:
             self.deadline.saved(step)
 

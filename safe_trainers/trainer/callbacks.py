@@ -85,9 +85,6 @@ class PreemptionCallback(TrainerCallback):
         if control.should_save:
             self.preemption.save_began(state.global_step)
 
-    def on_save(self, args, state, control, **kwargs: Any):
-        self.preemption.saved(state.global_step)
-
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.preemption.restore()
 
