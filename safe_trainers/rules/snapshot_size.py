@@ -142,16 +142,18 @@ def _gib(value: int) -> str:
 
 
 def memory_table() -> str:
-    """The markdown table of docs/guard.md ("Memory"): GiB of host memory per rank and per node (8 GPUs a node)."""
+    """The markdown table of docs/guard.md ("Memory") and the README: GiB of host memory per rank and per node (8 GPUs a
+    node); strategies that need the same memory share a row."""
     header = ["model", "fine-tune", "strategy"]
     for world in TYPICAL_WORLDS:
         header += [f"per rank, {world} GPUs", f"per node, {world} GPUs"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (2 * len(TYPICAL_WORLDS))]
+    rows: dict[tuple[str, ...], list[str]] = {}  # (model, method, figures...) -> strategies, in order
     for model, method, label, runs in typical_runs():
-        cells = [model, method, label]
-        for run in runs:
-            cells += [_gib(per_rank_bytes(run)), _gib(per_node_bytes(run))]
-        lines.append("| " + " | ".join(cells) + " |")
+        figures = [cell for run in runs for cell in (_gib(per_rank_bytes(run)), _gib(per_node_bytes(run)))]
+        rows.setdefault((model, method, *figures), []).append(label)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (2 * len(TYPICAL_WORLDS))]
+    for (model, method, *figures), labels in rows.items():
+        lines.append("| " + " | ".join([model, method, ", ".join(labels), *figures]) + " |")
     return "\n".join(lines)
 
 
