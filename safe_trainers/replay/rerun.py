@@ -86,7 +86,9 @@ def replay(output_dir: str, step: int, checkpoint: str) -> Replayed:
         injector = rearm(trainer, rearmed, step)
         kept = payload["micro_batches"]
         indices = sorted(kept)
-        batches = [kept[i] if meta.get("prepared", True) else trainer._prepare_inputs(kept[i]) for i in indices]
+        # A poisoned step's batches are the dataloader's: for an offline kind, what `compute_loss` receives but for
+        # the move to the device, which `localize` makes.
+        batches = [kept[i] for i in indices]
         try:
             found = localize(model, batches, lambda batch: trainer.compute_loss(model, batch), torch.device("cpu"))
         finally:
