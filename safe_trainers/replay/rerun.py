@@ -81,7 +81,7 @@ def replay(output_dir: str, step: int, checkpoint: str) -> Replayed:
         model = trainer.model
         model.train()
         overlaid = overlay(model, payload.get("state") or {})
-        faults = meta.get("faults", [])
+        faults = payload.get("faults", meta.get("faults", []))  # the replayed rank's (the meta's: the main's)
         rearmed = [f for f in faults if f["kind"] in FORWARD_FAULTS]
         injector = rearm(trainer, rearmed, step)
         kept = payload["micro_batches"]

@@ -3,7 +3,8 @@ micro-batches, the state entries found non-finite, GRPO/RLOO's rewards and the t
 `output_dir/nan_replay/step-N/` (`replay/bundle.py`) before anything is restored.
 
 Who writes: the main process always, with the meta and the config; every other rank only for a step whose loss was
-non-finite on that rank, each rank its own rows. A failure to write is logged, never raised: a bundle is a diagnostic.
+non-finite on that rank, each rank its own rows, state entries and fired test faults (the meta's are the main
+process's). A failure to write is logged, never raised: a bundle is a diagnostic.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
             "micro_batches": {int(n.split(".")[1]): v for n, v in kept.items() if n.startswith("micro_batch.")},
             "state": {n[len("state."):]: v for n, v in kept.items() if n.startswith("state.")},
             "rewards": kept.get("rewards"),
+            "faults": fired_faults(trainer, step, rank),  # this rank's: a fault may fire on one rank only
         }
         meta = None
         if main:

@@ -3,7 +3,16 @@ change, and the edges of the bundles on disk."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
+from net_utils import EXIT_RACE, free_port
+
+from safe_trainers.cli.main import main
+from safe_trainers.replay import bundle_steps, read_bundle
 
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
@@ -28,3 +37,33 @@ def test_the_diagnosis_forward_draws_nothing_from_the_random_generators(tmp_path
     assert with_bundles.keys() == without.keys()
     differ = [name for name in with_bundles if not torch.equal(with_bundles[name], without[name])]
     assert differ == []
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
+
+
+@pytest.mark.distributed
+def test_a_fault_on_rank_1_only_is_replayed_from_rank_1s_file(tmp_path, capsys):
+    """DDP on two CPU ranks, NaN in rank 1's second micro-batch of step 3 only: rank 1 writes its own file, with the
+    test fault that fired there (rank 0's injector never fired it), and the replay re-arms it and agrees."""
+    model = save_toy_model(str(tmp_path / "model"), "qwen2")
+    out = str(tmp_path / "out")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port())]  # fmt: skip
+    command = launcher + [WORKER, "--kind", "dpo", "--model", model, "--out", out, "--fault", "loss:3:1:nan:1",
+                          "--ga", "2", "--save_steps", "2", "--max_steps", "4"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    finished = all(os.path.exists(os.path.join(out, f"result-rank{rank}.json")) for rank in (0, 1))
+    assert done.returncode == 0 or (EXIT_RACE in done.stderr and finished), (done.stdout + done.stderr)[-4000:]
+    run = os.path.join(out, "run")
+    assert bundle_steps(run) == [3]
+    meta, _, payload = read_bundle(run, 3)  # rank 1's file: the rank the meta lists
+    assert meta["ranks"] == [1] and meta["faults"] == []  # rank 0's view: nothing fired there
+    assert [(f["kind"], f["rank"], f["micro_batch"]) for f in payload["faults"]] == [("loss", 1, 1)]
+    assert main(["replay", run, "--step", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "re-armed test faults: Fault(step=3, kind='loss', micro_batch=1)" in text
+    assert "micro-batch 1 of 2" in text and "agrees with the in-loop diagnosis: yes" in text, text
