@@ -23,7 +23,7 @@ import torch
 
 from ..restarts.rotation import rotation_victims
 from ..runtime.files import link_refused, open_no_follow, write_text_no_follow
-from ..runtime.nested import tensors
+from ..runtime.nested import map_tensors, tensors
 
 REPLAY_DIR = "nan_replay"
 META_FILE = "meta.json"
@@ -50,13 +50,22 @@ def bundle_steps(output_dir: str) -> list[int]:
 
 
 def nbytes(value: Any) -> int:
-    """Bytes of the tensors of a nested structure."""
-    return sum(t.numel() * t.element_size() for t in tensors(value))
+    """Bytes of the tensors and the text of a nested structure (a poisoned GRPO/RLOO step's batch is the dataset's
+    rows: prompts as text, which a file holds as much as tensors)."""
+    text = []
+    map_tensors(value, lambda t: None, lambda leaf: text.append(_text_bytes(leaf)))
+    return sum(t.numel() * t.element_size() for t in tensors(value)) + sum(text)
+
+
+def _text_bytes(leaf: Any) -> int:
+    if isinstance(leaf, str):
+        return len(leaf.encode("utf-8", "surrogatepass"))
+    return len(leaf) if isinstance(leaf, (bytes, bytearray)) else 0
 
 
 def fit(items: list[tuple[str, Any]], limit: int) -> tuple[dict[str, Any], dict[str, int], dict[str, int]]:
-    """Keep `items` (name, value) in order while their tensors' bytes add up to at most `limit`; an item that does
-    not fit is left out and the next ones are still tried.
+    """Keep `items` (name, value) in order while their bytes ([`nbytes`]) add up to at most `limit`; an item that
+    does not fit is left out and the next ones are still tried.
 
     Returns:
         `(kept, sizes, left_out)`: the kept items by name, and the bytes of the kept and of the left-out ones.

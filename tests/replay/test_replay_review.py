@@ -12,7 +12,7 @@ import torch
 from net_utils import EXIT_RACE, free_port
 
 from safe_trainers.cli.main import main
-from safe_trainers.replay import bundle_steps, read_bundle
+from safe_trainers.replay import bundle_steps, fit, read_bundle
 
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
@@ -67,3 +67,11 @@ def test_a_fault_on_rank_1_only_is_replayed_from_rank_1s_file(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "re-armed test faults: Fault(step=3, kind='loss', micro_batch=1)" in text
     assert "micro-batch 1 of 2" in text and "agrees with the in-loop diagnosis: yes" in text, text
+
+
+def test_the_bound_counts_the_text_of_a_poisoned_online_steps_rows():
+    """A poisoned GRPO/RLOO step's batch is the dataset's rows (prompts as text): over the bound, it is left out like
+    a tensor would be, not written whole at 0 bytes."""
+    rows = [{"prompt": "word " * 20_000} for _ in range(4)]  # 400 kB of text
+    kept, sizes, left_out = fit([("micro_batch.0", rows), ("rewards", torch.zeros(4))], 1000)
+    assert list(kept) == ["rewards"] and left_out == {"micro_batch.0": 400_000} and sizes == {"rewards": 16}
