@@ -5,6 +5,7 @@ and the step's micro-batches run through the trainer's own `compute_loss` with f
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
@@ -120,7 +121,20 @@ def rebuild_trainer(kind: Any, checkpoint: str, run_args: dict[str, Any], work_d
     if kind.online:
         extra["reward_funcs"] = _no_reward
     data = datasets.Dataset.from_list([PLACEHOLDER_ROWS[kind.data_format]] * 2)
-    return kind.trl_trainer(model=checkpoint, args=config, train_dataset=data, **extra)
+    return kind.trl_trainer(model=policy(checkpoint), args=config, train_dataset=data, **extra)
+
+
+def policy(checkpoint: str) -> Any:
+    """What the trainer gets as `model`: the checkpoint's path, or for a PEFT run's checkpoint (an adapter, no
+    `config.json`) the adapter loaded trainable on its base model (`base_model_name_or_path`), so that its modules
+    and parameters have the run's names (`base_model.model...`), those of the bundle's state and diagnosis."""
+    if os.path.isfile(os.path.join(checkpoint, "config.json")) or not os.path.isfile(
+        os.path.join(checkpoint, "adapter_config.json")
+    ):
+        return checkpoint
+    from peft import AutoPeftModel
+
+    return AutoPeftModel.from_pretrained(checkpoint, is_trainable=True)
 
 
 def _no_reward(completions: list[Any], **kwargs: Any) -> list[float]:

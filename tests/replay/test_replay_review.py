@@ -75,3 +75,24 @@ def test_the_bound_counts_the_text_of_a_poisoned_online_steps_rows():
     rows = [{"prompt": "word " * 20_000} for _ in range(4)]  # 400 kB of text
     kept, sizes, left_out = fit([("micro_batch.0", rows), ("rewards", torch.zeros(4))], 1000)
     assert list(kept) == ["rewards"] and left_out == {"micro_batch.0": 400_000} and sizes == {"rewards": 16}
+
+
+def test_the_replay_of_a_lora_run_loads_the_adapter_on_its_base(toy_models, tmp_path, capsys):
+    """A PEFT run's checkpoints hold the adapter only (no `config.json`): the replay loads it on its base model, under
+    the run's names, and agrees with the in-loop diagnosis for the activation fault and the NaN adapter weight."""
+    from peft import LoraConfig
+
+    out = str(tmp_path)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    trainer = build_trainer("sft", toy_models["qwen2"], out, preset="guarded", bf16=False, max_steps=6, save_steps=2,
+                            faults=[Fault(step=3, kind="loss"), Fault(step=6, kind="weight")],
+                            trainer_kwargs={"peft_config": lora})  # fmt: skip
+    trainer.train()
+    assert bundle_steps(out) == [3, 6]
+    for step in (3, 6):
+        code = main(["replay", out, "--step", str(step)])
+        text = capsys.readouterr().out
+        assert code == 0 and "agrees with the in-loop diagnosis: yes" in text, text
+        assert "replay:  first non-finite module: base_model.model.model.layers." in text
+    assert "non-finite state written over the checkpoint: base_model.model.model.layers.0.self_attn.q_proj.lora_A" \
+        in text  # fmt: skip
