@@ -3,8 +3,10 @@ micro-batches, the state entries found non-finite, GRPO/RLOO's rewards and the t
 `output_dir/nan_replay/step-N/` (`replay/bundle.py`) before anything is restored.
 
 Who writes: the main process always, with the meta and the config; every other rank only for a step whose loss was
-non-finite on that rank, each rank its own rows, state entries and fired test faults (the meta's are the main
-process's). A failure to write is logged, never raised: a bundle is a diagnostic.
+non-finite on that rank, or whose in-loop diagnosis found the module on that rank (a damaged state every rank
+shares, a finite loss: the rows that show it may be another rank's), each rank its own rows, state entries and
+fired test faults (the meta's are the main process's). A failure to write is logged, never raised: a bundle is a
+diagnostic.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
     for step, batches in judged.bundles.items():
         record = records.get(step)
         bad_ranks = sorted(record.bad_ranks) if record is not None else []
-        if not main and rank not in bad_ranks:  # each rank its own rows, where its loss went non-finite
+        in_loop = diagnosis if diagnosis is not None and diagnosis.get("step") == step else None
+        found_on = in_loop.get("rank") if in_loop is not None and in_loop.get("module") else None
+        if not main and rank not in bad_ranks and rank != found_on:  # each rank its own rows, where they went bad
             continue
         items = [(f"micro_batch.{i}", host_copy(b)) for i, b in enumerate(batches)]
         items += [("rewards", host_copy(r)) for r in [_rewards(trainer)] if r is not None]
@@ -58,7 +62,6 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
         }
         meta = None
         if main:
-            in_loop = diagnosis if diagnosis is not None and diagnosis.get("step") == step else None
             meta = {
                 "step": step, "events": events_of(judged, step), "ranks": bad_ranks,
                 "kind": trainer._safety_kind, "trainer_class": type(trainer).__name__,

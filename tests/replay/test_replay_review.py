@@ -3,7 +3,9 @@ change, and the edges of the bundles on disk."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -43,22 +45,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
 
 
-@pytest.mark.distributed
-def test_a_fault_on_rank_1_only_is_replayed_from_rank_1s_file(tmp_path, capsys):
-    """DDP on two CPU ranks, NaN in rank 1's second micro-batch of step 3 only: rank 1 writes its own file, with the
-    test fault that fired there (rank 0's injector never fired it), and the replay re-arms it and agrees."""
+def launch(launcher: list[str], tmp_path, *worker_args: str) -> str:
+    """Train the guard worker's DPO run on two CPU ranks; returns its `output_dir`."""
     model = save_toy_model(str(tmp_path / "model"), "qwen2")
     out = str(tmp_path / "out")
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port())]  # fmt: skip
-    command = launcher + [WORKER, "--kind", "dpo", "--model", model, "--out", out, "--fault", "loss:3:1:nan:1",
-                          "--ga", "2", "--save_steps", "2", "--max_steps", "4"]  # fmt: skip
+    command = launcher + [WORKER, "--kind", "dpo", "--model", model, "--out", out, *worker_args]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     finished = all(os.path.exists(os.path.join(out, f"result-rank{rank}.json")) for rank in (0, 1))
     assert done.returncode == 0 or (EXIT_RACE in done.stderr and finished), (done.stdout + done.stderr)[-4000:]
-    run = os.path.join(out, "run")
+    return os.path.join(out, "run")
+
+
+ACCELERATE_DDP = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_fault_on_rank_1_only_is_replayed_from_rank_1s_file(tmp_path, capsys):
+    """DDP on two CPU ranks, NaN in rank 1's second micro-batch of step 3 only: rank 1 writes its own file, with the
+    test fault that fired there (rank 0's injector never fired it), and the replay re-arms it and agrees."""
+    run = launch(ACCELERATE_DDP + ["--main_process_port", str(free_port())], tmp_path, "--fault", "loss:3:1:nan:1",
+                 "--ga", "2", "--save_steps", "2", "--max_steps", "4")  # fmt: skip
     assert bundle_steps(run) == [3]
     meta, _, payload = read_bundle(run, 3)  # rank 1's file: the rank the meta lists
     assert meta["ranks"] == [1] and meta["faults"] == []  # rank 0's view: nothing fired there
@@ -96,3 +104,24 @@ def test_the_replay_of_a_lora_run_loads_the_adapter_on_its_base(toy_models, tmp_
         assert "replay:  first non-finite module: base_model.model.model.layers." in text
     assert "non-finite state written over the checkpoint: base_model.model.model.layers.0.self_attn.q_proj.lora_A" \
         in text  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_zero3_the_rank_that_shows_a_shared_damaged_weight_writes_its_rows(tmp_path, capsys):
+    """ZeRO-3 on two CPU ranks, a NaN in rank 0's fp32 master shard at step 6 (its first entry: a token's embedding
+    row). Gathered, every rank holds it; no loss went non-finite (a `rollback` only), and the in-loop diagnosis found
+    it in rank 1's rows: rank 1 writes them, and the replay reads them and agrees."""
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps({
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_gather_16bit_weights_on_model_save": True}, "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+    }))  # fmt: skip
+    launcher = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
+    run = launch(launcher, tmp_path, "--fault", "weight:6:0", "--deepspeed", str(config))
+    meta, _, payload = read_bundle(run, 6)
+    assert meta["events"] == ["rollback"] and meta["ranks"] == []
+    assert meta["in_loop_diagnosis"]["rank"] == 1 and os.path.exists(os.path.join(run, "nan_replay/step-6/rank-1.pt"))
+    assert main(["replay", run, "--step", "6"]) == 0
+    text = capsys.readouterr().out
+    assert "agrees with the in-loop diagnosis: yes" in text, text
