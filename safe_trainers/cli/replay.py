@@ -1,7 +1,8 @@
 """`safe-trainers replay OUTPUT_DIR --step N`: replay a faulted step's bundle (`output_dir/nan_replay/step-N/`) on
 the CPU from the checkpoint before it and print the first non-finite module and rows, beside the in-loop diagnosis
 (docs/replay.md). Exit status: 0 when the replay ran (and agrees, or there is nothing to compare), 1 when it
-disagrees with the in-loop diagnosis, 2 when there is nothing to replay."""
+disagrees with the in-loop diagnosis, 2 when there is nothing to replay (no bundle, no checkpoint before the step, or
+one without loadable weights)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(ns: argparse.Namespace) -> int:
     from ..replay import bundle_steps
     from ..replay.report import agreement, report_lines
-    from ..replay.rerun import checkpoint_before, replay
+    from ..replay.rerun import checkpoint_before, loadable_weights, replay
 
     steps = bundle_steps(ns.output_dir)
     if ns.step not in steps:
@@ -38,6 +39,12 @@ def run(ns: argparse.Namespace) -> int:
         print(f"safe-trainers replay: `{ns.output_dir}` has no `checkpoint-K` with K < {ns.step} to replay step "
               f"{ns.step} from (rotated away by `save_total_limit`, or the run saved none before it).",
               file=sys.stderr)  # fmt: skip
+        return 2
+    if not loadable_weights(checkpoint):
+        print(f"safe-trainers replay: `{checkpoint}` holds no model weights `from_pretrained` can load "
+              "(`model.safetensors`, `pytorch_model.bin`, an adapter or their index): a DeepSpeed ZeRO-3 run writes "
+              "them with `stage3_gather_16bit_weights_on_model_save: true`, an FSDP run with a "
+              "full state dict (`state_dict_type` `FULL_STATE_DICT`).", file=sys.stderr)  # fmt: skip
         return 2
     _quiet()
     with warnings.catch_warnings():  # TRL's DPO loss reads a property recent transformers deprecate (see the demo)

@@ -15,6 +15,7 @@ import torch
 
 from ..guard.diagnosis import localize
 from ..kinds import get_kind
+from ..restarts.checkpoint_choice import WEIGHT_FILES, WEIGHT_INDEXES
 from ..runtime.checkpoint_dirs import checkpoint_step, checkpoints
 from .bundle import read_bundle
 
@@ -67,6 +68,12 @@ def checkpoint_before(output_dir: str, step: int) -> str | None:
     found = [(checkpoint_step(path), path) for path in checkpoints(output_dir)]
     earlier = [(s, path) for s, path in found if s is not None and s < step]
     return max(earlier)[1] if earlier else None
+
+
+def loadable_weights(checkpoint: str) -> bool:
+    """Whether `checkpoint` holds model weights `from_pretrained` loads (a DeepSpeed ZeRO-3 or FSDP sharded save
+    may hold only its engine's shards)."""
+    return any(os.path.isfile(os.path.join(checkpoint, name)) for name in WEIGHT_FILES + WEIGHT_INDEXES)
 
 
 def replay(output_dir: str, step: int, checkpoint: str) -> Replayed:
@@ -172,4 +179,4 @@ def rearm(trainer: Any, faults: list[dict[str, Any]], step: int) -> Any:
     return injector
 
 
-__all__ = ["FORWARD_FAULTS", "Replayed", "checkpoint_before", "rebuild_trainer", "replay"]
+__all__ = ["FORWARD_FAULTS", "Replayed", "checkpoint_before", "loadable_weights", "rebuild_trainer", "replay"]

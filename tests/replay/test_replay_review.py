@@ -14,7 +14,7 @@ import torch
 from net_utils import EXIT_RACE, free_port
 
 from safe_trainers.cli.main import main
-from safe_trainers.replay import bundle_steps, fit, read_bundle
+from safe_trainers.replay import bundle_steps, fit, read_bundle, write_bundle
 
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
@@ -125,3 +125,14 @@ def test_zero3_the_rank_that_shows_a_shared_damaged_weight_writes_its_rows(tmp_p
     assert main(["replay", run, "--step", "6"]) == 0
     text = capsys.readouterr().out
     assert "agrees with the in-loop diagnosis: yes" in text, text
+
+
+def test_a_checkpoint_without_loadable_weights_exits_2(tmp_path, capsys):
+    """A ZeRO-3 run saved without `stage3_gather_16bit_weights_on_model_save` leaves checkpoints holding the engine's
+    shards only: the replay says so and exits 2 (it raised transformers' `OSError`)."""
+    out = str(tmp_path)
+    os.makedirs(os.path.join(out, "checkpoint-2", "global_step2"))
+    write_bundle(out, 3, 0, {"micro_batches": {}}, {"step": 3, "kind": "dpo"}, {})
+    assert main(["replay", out, "--step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-2` holds no model weights" in err and "stage3_gather_16bit_weights_on_model_save" in err
