@@ -44,6 +44,9 @@ def validate_safety_arguments(settings: Any) -> None:
         ("nan_lr_backoff", math.isfinite(settings.nan_lr_backoff) and 0 < settings.nan_lr_backoff <= 1, "in (0, 1]"),
         ("nan_spike_factor", settings.nan_spike_factor == 0 or settings.nan_spike_factor > 1, "0 (off) or > 1"),
         ("nan_spike_window", settings.nan_spike_window >= 2, "an integer >= 2"),
+        ("nan_replay_max_bytes", settings.nan_replay_max_bytes >= 0, "an integer >= 0 (0: no replay bundles)"),
+        ("nan_replay_limit", settings.nan_replay_limit >= 1,
+         "an integer >= 1 (`nan_replay_max_bytes=0` turns bundles off)"),
         (
             "nan_spike_warmup",
             2 <= settings.nan_spike_warmup <= settings.nan_spike_window,

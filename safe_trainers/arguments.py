@@ -69,6 +69,13 @@ class SafetyArguments:
     nan_spike_patience (`int`, *optional*, defaults to `None`):
         Deprecated and unused: a spiking step is now skipped at once, before its update, and a run of skipped steps
         rolls back after `nan_max_consecutive_skips`. Setting it warns.
+    nan_replay_max_bytes (`int`, *optional*, defaults to `67108864` (64 MiB)):
+        On a `skip`, `rollback` or `poison` event, the step's micro-batches (GRPO/RLOO: with the rewards), the state
+        entries found non-finite and the test faults that fired go to `output_dir/nan_replay/step-N/`, for
+        `safe-trainers replay` (docs/replay.md). Each process's file of a bundle holds at most this many bytes of
+        tensors (what does not fit is left out and listed in its `meta.json`). `0` writes no bundle.
+    nan_replay_limit (`int`, *optional*, defaults to `5`):
+        How many replay bundles are kept: the oldest steps' are deleted first, as `save_total_limit` does.
 
     > Parameters that control crashes and restarts
 
@@ -164,6 +171,16 @@ class SafetyArguments:
     nan_spike_patience: int | None = field(
         default=None,
         metadata={"help": "Deprecated and unused: a spiking step is skipped at once (setting it warns)."},
+    )
+    nan_replay_max_bytes: int = field(
+        default=64 * 2**20,
+        metadata={
+            "help": "Bytes of tensors each process writes to a step's replay bundle (`output_dir/nan_replay/step-N/`) "
+            "on a skip, rollback or poison event; what does not fit is listed in its meta.json (0: no bundles)."
+        },
+    )
+    nan_replay_limit: int = field(
+        default=5, metadata={"help": "Replay bundles kept; the oldest steps' are deleted first."}
     )
     resume_on_restart: bool = field(
         default=True,

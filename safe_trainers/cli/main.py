@@ -1,5 +1,5 @@
-"""`safe-trainers`: `check` a config, list the `rules`, run the `demo`, draw a run's `timeline`, or sanitize an
-`openrlhf` command."""
+"""`safe-trainers`: `check` a config, list the `rules`, run the `demo`, draw a run's `timeline`, `replay` a faulted
+step, or sanitize an `openrlhf` command."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import check, demo, openrlhf, rules, timeline
+    from . import check, demo, openrlhf, replay, rules, timeline
 
     parser = argparse.ArgumentParser(
         prog="safe-trainers",
         description="Safety rules and NaN guard for TRL trainers. See `safe-trainers <command> --help`.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (check, rules, demo, timeline, openrlhf):
+    for module in (check, rules, demo, timeline, replay, openrlhf):
         module.register(sub)
     return parser
 

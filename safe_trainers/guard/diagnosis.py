@@ -27,21 +27,35 @@ class RecentBatches:
     def __init__(self):
         self._steps: dict[int, list[Any]] = {}
         self._current: list[Any] = []
+        self._dropped = False
+        self.dropped: set[int] = set()  # poisoned steps: their batches as the dataloader gave them, never replayed
         self.host = HostArena()
 
-    def record(self, inputs: Any) -> None:
+    def record(self, inputs: Any, dropped: bool = False) -> None:
+        """Keep `inputs`; `dropped`: the micro-batch of a poisoned step, not trained (kept for its replay bundle
+        only, as the dataloader gave it: not prepared by the trainer)."""
         self._current.append(map_tensors(inputs, self._to_host))
+        self._dropped = self._dropped or dropped
 
     def end_step(self, step: int) -> None:
         self._steps[step] = self._current
-        self._current = []
+        if self._dropped:
+            self.dropped.add(step)
+        self._current, self._dropped = [], False
 
     def get(self, step: int | None) -> list[Any]:
-        return self._steps.get(step, []) if step is not None else []
+        """The micro-batches of `step` to replay for its diagnosis (none for a poisoned step: they killed the
+        process)."""
+        return self._steps.get(step, []) if step is not None and step not in self.dropped else []
+
+    def kept(self, step: int) -> list[Any]:
+        """Every micro-batch kept for `step`, a poisoned step's included (for its replay bundle)."""
+        return self._steps.get(step, [])
 
     def clear(self) -> None:
         self._steps.clear()
-        self._current = []
+        self.dropped.clear()
+        self._current, self._dropped = [], False
         self.host.reset()
 
     def nbytes(self) -> int:
@@ -60,9 +74,10 @@ def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) ->
     """Run `replay()` (the training forward over one micro-batch) with a forward hook on every module of `model`.
 
     Returns:
-        `{"module": name, "type": class name, "input_finite": bool}` for the first module, in execution order, whose
-        output contains NaN or Inf; `{"module": None, "loss_finite": bool}` when every module output is finite;
-        `{"module": None, "reason": ...}` when the replay itself failed.
+        `{"module": name, "type": class name, "input_finite": bool, "rows": [...]}` for the first module, in
+        execution order, whose output contains NaN or Inf (`rows`: [`nonfinite_rows`] of that output);
+        `{"module": None, "loss_finite": bool}` when every module output is finite; `{"module": None, "reason": ...}`
+        when the replay itself failed.
     """
     found: dict[str, Any] = {}
     names = {module: name for name, module in model.named_modules()}
@@ -71,6 +86,7 @@ def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) ->
         if not found and any_nonfinite(output):
             found.update(module=names.get(module, type(module).__name__), type=type(module).__name__)
             found["input_finite"] = not any_nonfinite(inputs)
+            found["rows"] = nonfinite_rows(output)
 
     handles = [module.register_forward_hook(hook) for module in model.modules()]
     try:
@@ -85,6 +101,23 @@ def first_nonfinite_module(model: torch.nn.Module, replay: Callable[[], Any]) ->
         for handle in handles:
             handle.remove()
     return found or {"module": None, "loss_finite": not any_nonfinite(loss)}
+
+
+# The most row indices a diagnosis lists (a whole batch gone non-finite is listed up to this many).
+MAX_ROWS = 64
+
+
+def nonfinite_rows(output: Any) -> list[int]:
+    """The batch rows (indices along the first dimension) holding NaN or Inf in the first tensor of `output` that
+    does, at most [`MAX_ROWS`]; `[]` for a scalar. Which input rows carried the fault into this module: a DPO forward
+    stacks the chosen completions, then the rejected ones (rows `B..2B-1` are the rejected of rows `0..B-1`)."""
+    for tensor in tensors(output):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if tensor.dim() == 0:
+                return []
+            bad = ~torch.isfinite(tensor.detach()).reshape(tensor.shape[0], -1).all(dim=1)
+            return [int(i) for i in bad.nonzero().flatten()[:MAX_ROWS]]
+    return []
 
 
 def localize(model: torch.nn.Module, micro_batches: list[Any], replay: Callable[[Any], Any], device: Any) -> dict:

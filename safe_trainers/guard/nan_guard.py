@@ -27,6 +27,7 @@ from ..runtime.ports import UNWATCHED, FlagRider, StepClock
 from .backends import Backend, state_bytes, state_tensors, unwrap_optimizer
 from .diagnosis import RecentBatches
 from .policy import (
+    bundled_steps,
     can_roll_back,
     diagnosed_step,
     inspection_due,
@@ -123,9 +124,15 @@ class NanGuard:
         self.state.learning_rate = follow_learning_rate(optimizer, scheduler, self.config, self.state.learning_rate)
 
     # ------------------------------------------------------------------ hot path (no host sync)
-    def record_inputs(self, inputs: Any) -> None:
-        """Keep a host copy of one micro-batch's prepared inputs, for diagnosis."""
-        self.batches.record(inputs)
+    def record_inputs(self, inputs: Any, dropped: bool = False) -> None:
+        """Keep a host copy of one micro-batch's prepared inputs, for diagnosis (`dropped`: a poisoned step's batch
+        as the dataloader gave it, kept for its replay bundle only)."""
+        self.batches.record(inputs, dropped)
+
+    @property
+    def bundles_on(self) -> bool:
+        """Faulted steps are written as replay bundles (`nan_replay_max_bytes > 0`, docs/replay.md)."""
+        return getattr(self.settings, "nan_replay_max_bytes", 0) > 0
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Fold one micro-batch loss (as `training_step` returns it) into the step's flag and sums."""
@@ -177,11 +184,15 @@ class NanGuard:
         verdict = judge_window(records, self._consecutive, limit, self.deepspeed, state_finite)
         self._consecutive = verdict.consecutive
         judged = Judged(records, verdict, state_finite, snapshot=snapshot)
-        diagnosed = diagnosed_step(verdict) if not self.state.localized else None
+        # One diagnosis per run; with replay bundles, one per inspection that finds a fault (its bundle carries it).
+        diagnosed = diagnosed_step(verdict) if not self.state.localized or self.bundles_on else None
         batches = self.batches.get(diagnosed)
         if batches:  # every rank holds the batches of the same steps, so all ranks replay together
             self.state.localized = True
             judged.replay, judged.replay_step = batches, diagnosed
+        if self.bundles_on:
+            judged.bundles = {s: self.batches.kept(s) for s in bundled_steps(verdict) if self.batches.kept(s)}
+            judged.dropped = {s for s in judged.bundles if s in self.batches.dropped}
         return judged
 
     def settle(self, judged: Judged, diagnosis: dict[str, Any] | None = None) -> Decision:

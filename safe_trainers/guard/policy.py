@@ -138,6 +138,15 @@ def diagnosed_step(verdict: Verdict) -> int | None:
     return None
 
 
+def bundled_steps(verdict: Verdict) -> list[int]:
+    """The steps of a window that get a replay bundle (docs/replay.md): those with a `skip` event (a poisoned step
+    is one) and the fault step of a `rollback`, in order; spikes and overflows get none."""
+    steps = [record.step for record in verdict.skipped]
+    if verdict.rollback is not None and verdict.fault_step is not None and verdict.fault_step not in steps:
+        steps.append(verdict.fault_step)
+    return sorted(steps)
+
+
 def unexplained_overflows(records: list[StepReading], loss_scale: float | None) -> list[StepReading]:
     """Overflow records the loss scaler cannot explain become faults: once its scale has backed off to 1 or less it no
     longer scales anything, so a non-finite gradient is the gradient's own, however often the scaler skips it."""

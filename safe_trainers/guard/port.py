@@ -51,6 +51,9 @@ class Judged:
         replay (`list`): the micro-batches of the step to diagnose, for the caller to replay (empty: no diagnosis).
         replay_step (`int | None`): that step.
         snapshot (`bool`): the caller asked for a snapshot after an applied step.
+        bundles (`dict[int, list]`): the micro-batches of each faulted step to write as a replay bundle (empty: none,
+            or `nan_replay_max_bytes=0`), written by the caller before anything is restored.
+        dropped (`set[int]`): the steps among them that were poisoned (batches as the dataloader gave them).
     """
 
     records: list[StepReading]
@@ -59,6 +62,8 @@ class Judged:
     replay: list[Any] = field(default_factory=list)
     replay_step: int | None = None
     snapshot: bool = False
+    bundles: dict[int, list[Any]] = field(default_factory=dict)
+    dropped: set[int] = field(default_factory=set)
 
 
 @dataclass

@@ -5,7 +5,7 @@ generation batch for several optimizer steps (`steps_per_generation`, `num_itera
 
 * verifies the weights before each generation: sampling from a damaged policy either crashes (`torch.multinomial`
   on NaN probabilities) or fills the buffer with garbage, so a damaged state is rolled back first;
-* records non-finite rewards;
+* records non-finite rewards, and keeps the last generation's for a replay bundle (docs/replay.md);
 * after a rollback, discards the buffered rollouts: they were sampled, and their `old_per_token_logps` computed, by
   the policy it just threw away.
 """
@@ -20,6 +20,8 @@ from . import inspection
 
 class OnlineGenerationMixin:
     """Mixed in before TRL's `GRPOTrainer`/`RLOOTrainer` (after [`SafeTrainerMixin`])."""
+
+    replay_rewards: torch.Tensor | None = None  # the last generation's rewards (completions x reward functions)
 
     def _generate_and_score_completions(self, inputs):
         run = self.safe_run
@@ -38,6 +40,8 @@ class OnlineGenerationMixin:
         run = self.safe_run
         if run.guard is not None:
             run.hooks_ran.ran("_calculate_rewards")
+        if run.guard is not None and self.model.training and run.guard.bundles_on:
+            self.replay_rewards = rewards.detach()  # for a replay bundle of the steps trained on them (no copy here)
         if run.guard is not None and self.model.training:
             nonfinite = ~torch.isfinite(rewards)
             count = int(nonfinite.sum())  # TRL already reads its reward metrics back every generation

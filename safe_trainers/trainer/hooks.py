@@ -139,6 +139,8 @@ class NanGuardTrainerMixin(CheckpointHooks):
         if run.guard is not None:
             run.hooks_ran.ran("training_step")
         if run.progress is not None and run.progress.dropping:  # a poisoned step: not trained
+            if run.guard is not None and run.guard.bundles_on:  # kept for its replay bundle, never replayed here
+                run.guard.record_inputs(inputs, dropped=True)
             return run.progress.dropped_loss(self.args.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
         if run.guard is not None:

@@ -3,7 +3,8 @@ trainer can (replay a faulted step, load the last good checkpoint, publish a goo
 drop GRPO/RLOO's buffered rollouts) and calls the guard's next door. The guard never calls back.
 
 One inspection, as the code runs it: [`inspect`] -> `NanGuard.judge` (read the flags, judge them) -> `replay.diagnose`
-(when the guard hands back a faulted step's batches) -> `NanGuard.settle` (record, decide) -> [`carry_out`]: for a
+(when the guard hands back a faulted step's batches) -> `replay_bundles.write_bundles` (the faulted steps' replay
+bundles, before any restore) -> `NanGuard.settle` (record, decide) -> [`carry_out`]: for a
 rollback `checkpoint_rollback.load_good_checkpoint` (the disk source) then `NanGuard.restore`; for a stop the abort
 checkpoint then `NanGuard.diverged`; for a disk source's first good state the starting checkpoint.
 """
@@ -22,6 +23,7 @@ from .checkpoint_rollback import load_good_checkpoint
 from .port import training_backend
 from .read_only import callbacks_read_only
 from .replay import diagnose
+from .replay_bundles import write_bundles
 
 logger = logging.getLogger("safe_trainers")
 
@@ -55,6 +57,9 @@ def inspect(trainer: Any, verify: bool = False, snapshot: bool = False, fresh: b
         # A rollback sees the checkpoint a background save is writing as published: the disk source may load it, and
         # the restored best-model fields may name it (a best checkpoint that is not there is dropped).
         announce(trainer)
+    if judged.bundles:
+        with guard.clock.paused():  # the faulted steps' replay bundles, before anything is restored: not timed
+            write_bundles(trainer, judged, diagnosis)
     decision = guard.settle(judged, diagnosis)
     carry_out(trainer, decision)
     return decision.verdict

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..guard import localize
@@ -17,12 +18,14 @@ def diagnose(trainer: Any, batches: list[Any], step: int | None) -> dict[str, An
     """Replay one step's micro-batches through `trainer.compute_loss` on every rank ([`localize`]) and return the
     finding of the rank where the forward pass went non-finite. The replay is not training: its inputs are not kept
     for diagnosis, and what TRL's `compute_loss` records besides the loss (per-step metrics, token counters) is put
-    back afterwards."""
+    back afterwards, as are the random generators its forward draws from (dropout): the run trains on as if no
+    replay had run."""
     model = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
     saved = {n: copy.deepcopy(getattr(trainer, n)) for n in _REPLAY_SENSITIVE if hasattr(trainer, n)}
     trainer.safe_run.hooks.replaying = True
     try:
-        result = localize(trainer.model, batches, lambda b: trainer.compute_loss(model, b), trainer.args.device)
+        with torch.random.fork_rng(**_rng_devices(trainer.args.device)):
+            result = localize(trainer.model, batches, lambda b: trainer.compute_loss(model, b), trainer.args.device)
     finally:
         trainer.safe_run.hooks.replaying = False
         for name, value in saved.items():
@@ -36,6 +39,14 @@ def diagnose(trainer: Any, batches: list[Any], step: int | None) -> dict[str, An
         result = next((r for r in results if r.get("module")), with_batch)
     result["step"] = step
     return result
+
+
+def _rng_devices(device: torch.device) -> dict[str, Any]:
+    """`fork_rng`'s arguments that save and restore the CPU generator and the one of `device` (none more: forking
+    every visible accelerator's would touch devices this process does not use)."""
+    if device.type == "cpu":
+        return {"devices": []}
+    return {"devices": [device.index if device.index is not None else 0], "device_type": device.type}
 
 
 # What TRL's `compute_loss` changes besides the loss, put back after a replay (docs/design/upstream.md): the logged

@@ -27,7 +27,7 @@ def replay(net):
 def test_the_first_module_whose_output_went_non_finite_is_named():
     net = model()
     found = first_nonfinite_module(net, lambda: net(torch.tensor([[1000.0, 1.0]])).sum())
-    assert found == {"module": "1", "type": "Blowup", "input_finite": True}
+    assert found == {"module": "1", "type": "Blowup", "input_finite": True, "rows": [0]}
     assert first_nonfinite_module(net, lambda: net(torch.ones(1, 2)).sum()) == {"module": None, "loss_finite": True}
 
 

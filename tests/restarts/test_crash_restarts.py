@@ -20,7 +20,9 @@ from net_utils import EXIT_RACE
 from timeline_utils import drawn_timeline
 from safetensors.torch import load_file, save_file
 
+from safe_trainers.cli.main import main
 from safe_trainers.guard import read_events
+from safe_trainers.replay import bundle_steps, read_bundle
 from safe_trainers.restarts.progress import (
     Death, History, Poisoned, Progress, ProgressWriter, inherit, poison, read_progress,
 )  # fmt: skip
@@ -205,7 +207,7 @@ def assert_uninterrupted_batches(result: dict, stream: list[dict]) -> None:
 
 
 @pytest.mark.distributed
-def test_restart_continues_from_the_checkpoint_and_skips_a_poison_step(tmp_path):
+def test_restart_continues_from_the_checkpoint_and_skips_a_poison_step(tmp_path, capsys):
     # Checkpoints every 4 steps; a NaN weight at step 3 (a skip and a rollback, LR x0.5) before checkpoint-4.
     # Attempt 0 dies feeding step 6; attempts 1 and 2 die feeding step 7 (a crash on other data than attempt 0's:
     # attempt 2 feeds step 7 again); attempt 3 skips step 7's batches and ends at step 10.
@@ -229,6 +231,15 @@ def test_restart_continues_from_the_checkpoint_and_skips_a_poison_step(tmp_path)
     assert resumes[-1]["deaths"] == [{"attempt": 0, "step": 6}, {"attempt": 1, "step": 7}, {"attempt": 2, "step": 7}]
     assert (events[5]["attempts"], events[5]["micro_batches"], events[5]["skipped"]) == ([1, 2], [6, 6], True)
     assert not nonfinite_in_checkpoints(run)
+    # The poisoned step's batches, as the dataloader gave them, are kept in a replay bundle (docs/replay.md); the
+    # loop never replays them (they killed the process), `safe-trainers replay` does, on the CPU.
+    assert bundle_steps(run) == [3, 7]
+    meta, _, payload = read_bundle(run, 7)
+    assert (meta["events"], meta["prepared"], meta["in_loop_diagnosis"]) == (["skip", "poison"], False, None)
+    assert sorted(payload["micro_batches"]) == [0] and meta["checkpoint"] == "checkpoint-4"
+    assert main(["replay", run, "--step", "7"]) == 0
+    replayed = capsys.readouterr().out
+    assert "from checkpoint-4" in replayed and "replay:  first non-finite module: no module output went" in replayed
     # Its timeline: a marker per event, four processes; steps 5, 5-6 and 5-6 of the three that died were redone.
     text, markers = drawn_timeline(run, str(tmp_path))
     assert markers == {("skip", 3), ("rollback", 3), ("restart", 4), ("poison", 7), ("skip", 7)}

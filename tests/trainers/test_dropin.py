@@ -142,6 +142,8 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "nan_spike_window": 64,
         "nan_spike_warmup": 16,
         "nan_spike_patience": None,
+        "nan_replay_max_bytes": 64 * 2**20,
+        "nan_replay_limit": 5,
         "resume_on_restart": True,
         "skip_step_after_crashes": 2,
         "trusted_checkpoint_globals": [],

@@ -1,0 +1,138 @@
+"""Review of the replay bundles (docs/replay.md): what the extra diagnosis of every faulted inspection must not
+change, and the edges of the bundles on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from net_utils import EXIT_RACE, free_port
+
+from safe_trainers.cli.main import main
+from safe_trainers.replay import bundle_steps, fit, read_bundle, write_bundle
+
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import Fault
+from safe_trainers.testing.toy import save_toy_model
+
+
+def _final_weights(model: str, out: str, **config) -> dict[str, torch.Tensor]:
+    faults = [Fault(step=3, kind="loss"), Fault(step=7, kind="loss")]  # two inspections that find a fault
+    trainer = build_trainer("sft", model, out, preset="guarded", faults=faults, bf16=False, **config)
+    trainer.train()
+    assert trainer.state.global_step == 10
+    return {name: p.detach().clone() for name, p in trainer.model.state_dict().items()}
+
+
+def test_the_diagnosis_forward_draws_nothing_from_the_random_generators(tmp_path):
+    """With dropout, a diagnosis forward that drew from the generator would train the steps after it on other masks:
+    the run with bundles (a diagnosis at steps 3 and 7) ends on the same weights, bit for bit, as the run without
+    (one diagnosis, at step 3)."""
+    model = save_toy_model(str(tmp_path / "model"), "qwen2", attention_dropout=0.3)
+    with_bundles = _final_weights(model, str(tmp_path / "bundles"))
+    without = _final_weights(model, str(tmp_path / "none"), nan_replay_max_bytes=0)
+    assert with_bundles.keys() == without.keys()
+    differ = [name for name in with_bundles if not torch.equal(with_bundles[name], without[name])]
+    assert differ == []
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO, "tests", "workers", "guard_worker.py")
+
+
+def launch(launcher: list[str], tmp_path, *worker_args: str) -> str:
+    """Train the guard worker's DPO run on two CPU ranks; returns its `output_dir`."""
+    model = save_toy_model(str(tmp_path / "model"), "qwen2")
+    out = str(tmp_path / "out")
+    command = launcher + [WORKER, "--kind", "dpo", "--model", model, "--out", out, *worker_args]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    finished = all(os.path.exists(os.path.join(out, f"result-rank{rank}.json")) for rank in (0, 1))
+    assert done.returncode == 0 or (EXIT_RACE in done.stderr and finished), (done.stdout + done.stderr)[-4000:]
+    return os.path.join(out, "run")
+
+
+ACCELERATE_DDP = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_fault_on_rank_1_only_is_replayed_from_rank_1s_file(tmp_path, capsys):
+    """DDP on two CPU ranks, NaN in rank 1's second micro-batch of step 3 only: rank 1 writes its own file, with the
+    test fault that fired there (rank 0's injector never fired it), and the replay re-arms it and agrees."""
+    run = launch(ACCELERATE_DDP + ["--main_process_port", str(free_port())], tmp_path, "--fault", "loss:3:1:nan:1",
+                 "--ga", "2", "--save_steps", "2", "--max_steps", "4")  # fmt: skip
+    assert bundle_steps(run) == [3]
+    meta, _, payload = read_bundle(run, 3)  # rank 1's file: the rank the meta lists
+    assert meta["ranks"] == [1] and meta["faults"] == []  # rank 0's view: nothing fired there
+    assert [(f["kind"], f["rank"], f["micro_batch"]) for f in payload["faults"]] == [("loss", 1, 1)]
+    assert main(["replay", run, "--step", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "re-armed test faults: Fault(step=3, kind='loss', micro_batch=1)" in text
+    assert "micro-batch 1 of 2" in text and "agrees with the in-loop diagnosis: yes" in text, text
+
+
+def test_the_bound_counts_the_text_of_a_poisoned_online_steps_rows():
+    """A poisoned GRPO/RLOO step's batch is the dataset's rows (prompts as text): over the bound, it is left out like
+    a tensor would be, not written whole at 0 bytes."""
+    rows = [{"prompt": "word " * 20_000} for _ in range(4)]  # 400 kB of text
+    kept, sizes, left_out = fit([("micro_batch.0", rows), ("rewards", torch.zeros(4))], 1000)
+    assert list(kept) == ["rewards"] and left_out == {"micro_batch.0": 400_000} and sizes == {"rewards": 16}
+
+
+def test_the_replay_of_a_lora_run_loads_the_adapter_on_its_base(toy_models, tmp_path, capsys):
+    """A PEFT run's checkpoints hold the adapter only (no `config.json`): the replay loads it on its base model, under
+    the run's names, and agrees with the in-loop diagnosis for the activation fault and the NaN adapter weight."""
+    from peft import LoraConfig
+
+    out = str(tmp_path)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    trainer = build_trainer("sft", toy_models["qwen2"], out, preset="guarded", bf16=False, max_steps=6, save_steps=2,
+                            faults=[Fault(step=3, kind="loss"), Fault(step=6, kind="weight")],
+                            trainer_kwargs={"peft_config": lora})  # fmt: skip
+    trainer.train()
+    assert bundle_steps(out) == [3, 6]
+    for step in (3, 6):
+        code = main(["replay", out, "--step", str(step)])
+        text = capsys.readouterr().out
+        assert code == 0 and "agrees with the in-loop diagnosis: yes" in text, text
+        assert "replay:  first non-finite module: base_model.model.model.layers." in text
+    assert "non-finite state written over the checkpoint: base_model.model.model.layers.0.self_attn.q_proj.lora_A" \
+        in text  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_zero3_the_rank_that_shows_a_shared_damaged_weight_writes_its_rows(tmp_path, capsys):
+    """ZeRO-3 on two CPU ranks, a NaN in rank 0's fp32 master shard at step 6 (its first entry: a token's embedding
+    row). Gathered, every rank holds it; no loss went non-finite (a `rollback` only), and the in-loop diagnosis found
+    it in rank 1's rows: rank 1 writes them, and the replay reads them and agrees."""
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps({
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_gather_16bit_weights_on_model_save": True}, "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+    }))  # fmt: skip
+    launcher = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
+    run = launch(launcher, tmp_path, "--fault", "weight:6:0", "--deepspeed", str(config))
+    meta, _, payload = read_bundle(run, 6)
+    assert meta["events"] == ["rollback"] and meta["ranks"] == []
+    assert meta["in_loop_diagnosis"]["rank"] == 1 and os.path.exists(os.path.join(run, "nan_replay/step-6/rank-1.pt"))
+    assert main(["replay", run, "--step", "6"]) == 0
+    text = capsys.readouterr().out
+    assert "agrees with the in-loop diagnosis: yes" in text, text
+
+
+def test_a_checkpoint_without_loadable_weights_exits_2(tmp_path, capsys):
+    """A ZeRO-3 run saved without `stage3_gather_16bit_weights_on_model_save` leaves checkpoints holding the engine's
+    shards only: the replay says so and exits 2 (it raised transformers' `OSError`)."""
+    out = str(tmp_path)
+    os.makedirs(os.path.join(out, "checkpoint-2", "global_step2"))
+    write_bundle(out, 3, 0, {"micro_batches": {}}, {"step": 3, "kind": "dpo"}, {})
+    assert main(["replay", out, "--step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-2` holds no model weights" in err and "stage3_gather_16bit_weights_on_model_save" in err
