@@ -4,7 +4,8 @@ signal, to choose `collapse_signals`' default by measurement (`docs/collapse.md`
 Workloads, on the tiny local model (CPU): the shipped configs (`configs/trainers/grpo.yaml`, `rloo.yaml`: 8
 completions of up to 128 tokens, the `length` reward, lr 1e-6 constant after a 5% warm-up, `beta` 0 and 0.05) and the
 trainers' tests' presets (`"quick"`: lr 1e-5, 2 completions of 8 tokens, `rank_reward`; `"guarded"`: lr 1e-3, 2
-completions of 6 tokens, `count_words_reward`). Every signal is watched (`collapse_signals` = all of them):
+completions of 6 tokens, `count_words_reward`), and a run that learns (`-learning`: 8 completions of up to 16 tokens,
+a word-count reward, lr 1e-3 constant: the others barely move the tiny random model). Every signal is watched (`collapse_signals` = all of them):
 
 1. clean runs of `--steps` steps, `--seeds` seeds each: every `collapse` event is a false alarm;
 2. injected collapses from step `--inject-at` (k): the learning rate x100 from step k (the scheduler's base rates
@@ -42,10 +43,25 @@ SHIPPED = dict(
     gradient_accumulation_steps=1, learning_rate=1e-6, lr_scheduler_type="constant_with_warmup", warmup_steps=0.05,
     max_grad_norm=1.0, use_cpu=True,
 )  # fmt: skip
+# A run that learns (the other workloads barely move the tiny random model): 8 completions of up to 16 tokens, a
+# reward with a spread inside every group that the policy can climb (more words), lr 1e-3 constant.
+LEARNING = dict(
+    num_generations=8, per_device_train_batch_size=8, max_completion_length=16, learning_rate=1e-3,
+    lr_scheduler_type="constant", use_cpu=True,
+)  # fmt: skip
+
+
+def word_count(completions, **kwargs) -> list[float]:
+    """The number of words of each completion (a reward a tiny model can climb)."""
+    return [float(len(str(c).split())) for c in completions]
+
+
 # name -> (kind, preset, config fields, reward function)
 WORKLOADS: dict[str, tuple[str, str, dict, Callable]] = {
     "grpo-shipped": ("grpo", "quick", dict(SHIPPED, beta=0.0), length),
     "rloo-shipped": ("rloo", "quick", dict(SHIPPED, beta=0.05), length),
+    "grpo-learning": ("grpo", "quick", LEARNING, word_count),
+    "rloo-learning": ("rloo", "quick", dict(LEARNING, bf16=False), word_count),
     "grpo-quick": ("grpo", "quick", {}, PRESETS["quick"].reward),
     "rloo-quick": ("rloo", "quick", {}, PRESETS["quick"].reward),
     "grpo-guarded": ("grpo", "guarded", dict(save_strategy="no"), PRESETS["guarded"].reward),

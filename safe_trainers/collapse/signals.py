@@ -55,9 +55,9 @@ class Verdict:
 
 
 SIGNALS: tuple[Signal, ...] = (
-    Signal("entropy", "entropy", "down", z=6.0, relative=0.5, minimum=0.05,
-           meaning="the policy's token entropy falls to half its level or less: sampling turns deterministic"),
-    Signal("reward_std", "reward_std", "down", z=6.0, relative=0.9, minimum=0.01,
+    Signal("entropy", "entropy", "down", z=6.0, relative=0.2, minimum=0.05,
+           meaning="the policy's token entropy falls by a fifth of its level or more: sampling turns deterministic"),
+    Signal("reward_std", "reward_std", "down", z=0.0, relative=0.9, minimum=0.01,
            meaning="the rewards' spread falls to a tenth of its level: no advantage left to learn from"),
     Signal("frac_reward_zero_std", "frac_reward_zero_std", "up", z=6.0, relative=0.0, minimum=0.5,
            meaning="the fraction of groups whose rewards are all equal jumps up by half or more"),

@@ -27,6 +27,12 @@ LEVELS = {
 }
 
 
+# The widest band of clean noise (a fraction of the level; of 1 for the fraction) no signal may alarm on: a band of
+# +-b around the level can put the window's median at (1+b) and a value at (1-b) of it, which `relative` must allow.
+BANDS = {"entropy": 0.1, "reward_std": 0.2, "frac_reward_zero_std": 0.2, "kl": 0.2, "completion_length": 0.2,
+         "reward": 0.2}  # fmt: skip
+
+
 def watch_of(name: str) -> tuple[CollapseWatch, list]:
     reports: list = []
     watch = CollapseWatch([name], WINDOW, PATIENCE, report=lambda *a: reports.append(a))
@@ -39,19 +45,22 @@ def feed(watch: CollapseWatch, key: str, values: list[float], start: int = 1) ->
 
 
 def test_every_signal_has_levels_here():
-    assert set(LEVELS) == set(SIGNAL_NAMES)
+    assert set(LEVELS) == set(BANDS) == set(SIGNAL_NAMES)
+    for rule in SIGNALS:  # the band is one the signal's relative margin allows (see `BANDS`)
+        b = BANDS[rule.name]
+        assert rule.relative == 0 or (1 - b) > (1 + b) * (1 - rule.relative) or rule.direction == "up"
 
 
 @given(
     name=st.sampled_from(SIGNAL_NAMES),
-    band=st.floats(0.0, 0.2),
+    band=st.floats(0.0, 1.0),
     noise=st.lists(st.floats(-1.0, 1.0), min_size=60, max_size=60),
 )
 def test_a_stationary_series_within_its_band_never_alarms(name, band, noise):
-    """Values within +-20% of the clean level (or +-0.2 for the fraction), in any order: no episode."""
+    """Values within the signal's band around the clean level (`BANDS`), in any order: no episode."""
     rule = next(s for s in SIGNALS if s.name == name)
     level = LEVELS[name][0]
-    spread = band * (1.0 if name == "frac_reward_zero_std" else level)
+    spread = band * BANDS[name] * (1.0 if name == "frac_reward_zero_std" else level)
     watch, reports = watch_of(name)
     feed(watch, rule.key, [max(0.0, level + spread * n) for n in noise])
     assert reports == [] and watch.episodes == []
