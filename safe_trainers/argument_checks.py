@@ -7,6 +7,8 @@ import math
 import warnings
 from typing import Any
 
+from .collapse.signals import SIGNAL_NAMES
+
 SAFETY_MODES: tuple[str, ...] = ("fix", "warn", "strict", "off")
 HANG_ACTIONS: tuple[str, ...] = ("auto", "exit", "report")  # see `safe_trainers/restarts/hang_report.py`
 ROLLBACK_SOURCES: tuple[str, ...] = ("memory", "checkpoint")
@@ -29,8 +31,17 @@ def validate_safety_arguments(settings: Any) -> None:
             "`\"memory\"` (the default) to roll back to a host copy, or `\"checkpoint\"` to roll back to the newest "
             "verified checkpoint when host memory cannot hold a copy of the weights and optimizer state."
         )
+    if isinstance(settings.collapse_signals, str):
+        settings.collapse_signals = [s for s in settings.collapse_signals.replace(",", " ").split() if s]
+    unknown = [name for name in settings.collapse_signals if name not in SIGNAL_NAMES]
+    if unknown:
+        raise ValueError(
+            f"`collapse_signals` names unknown signal(s) {unknown}; choose from {list(SIGNAL_NAMES)}, or `[]` to "
+            "disable the collapse watch."
+        )
     if isinstance(settings.preempt_signals, str):
         settings.preempt_signals = [s for s in settings.preempt_signals.replace(",", " ").split() if s]
+    half = settings.collapse_window // 2 if isinstance(settings.collapse_window, int) else 0
     checks = [
         ("hang_action", settings.hang_action in HANG_ACTIONS, f"one of {list(HANG_ACTIONS)}"),
         ("hang_timeout", math.isfinite(settings.hang_timeout) and settings.hang_timeout >= 0, "a number >= 0 (0 off)"),
@@ -52,6 +63,10 @@ def validate_safety_arguments(settings: Any) -> None:
             2 <= settings.nan_spike_warmup <= settings.nan_spike_window,
             f"an integer from 2 to `nan_spike_window` ({settings.nan_spike_window})",
         ),
+        ("collapse_window", isinstance(settings.collapse_window, int) and settings.collapse_window >= 4,
+         "an integer >= 4"),
+        ("collapse_patience", isinstance(settings.collapse_patience, int) and 1 <= settings.collapse_patience <= half,
+         f"an integer from 1 to half of `collapse_window` ({half})"),
         ("skip_step_after_crashes", settings.skip_step_after_crashes >= 0, "an integer >= 0 (0 disables)"),
         ("job_end_time", settings.job_end_time is None or math.isfinite(settings.job_end_time),
          "a Unix time in seconds (0: no deadline)"),

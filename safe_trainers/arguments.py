@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from .collapse.signals import DEFAULT_SIGNALS, SIGNAL_NAMES
 from .argument_checks import HANG_ACTIONS, ROLLBACK_SOURCES, SAFETY_MODES, validate_safety_arguments
 
 
@@ -103,6 +104,19 @@ class SafetyArguments:
         written, checked (complete, finite) and published by a background thread, and `on_save`, hub uploads,
         rotation and the step record see it once published. `False` writes every checkpoint before training goes
         on. Under DDP rank 0 writes and every rank is told at the same step; DeepSpeed and FSDP save synchronously.
+
+    > Parameters that control the collapse watch (GRPO and RLOO)
+
+    collapse_signals (`list[str]`, *optional*, defaults to `["entropy", "reward_std", "frac_reward_zero_std", "kl",
+    "completion_length"]`):
+        With `nan_guard`, the metrics TRL computes that are judged at every step against the run's own recent steps,
+        for a run going bad without a NaN: a `collapse` event and one warning per episode, training unchanged
+        (`docs/collapse.md`). Also `"reward"` (off by default: false alarms on clean runs). `[]` disables.
+    collapse_window (`int`, *optional*, defaults to `32`):
+        How many recent steps each signal's level (median) and scale (median absolute deviation) cover; judging
+        starts once half of them are seen.
+    collapse_patience (`int`, *optional*, defaults to `3`):
+        Steps in a row past a signal's threshold that make an episode (and back within it that end one).
     """
 
     safety_mode: SafetyMode = field(
@@ -247,6 +261,20 @@ class SafetyArguments:
     )
     job_end_slack: float = field(
         default=60.0, metadata={"help": "Seconds kept free before the job's end beyond a step and a save."}
+    )
+
+    collapse_signals: list[str] = field(
+        default_factory=lambda: list(DEFAULT_SIGNALS),
+        metadata={
+            "help": "GRPO/RLOO metrics judged each step against the run's recent steps for a collapse without a NaN "
+            f"(warn-only `collapse` events; needs `nan_guard`; [] disables). Any of {list(SIGNAL_NAMES)}."
+        },
+    )
+    collapse_window: int = field(
+        default=32, metadata={"help": "Recent steps each collapse signal's level and scale cover (judged from half)."}
+    )
+    collapse_patience: int = field(
+        default=3, metadata={"help": "Steps in a row past a collapse threshold that make (and end) an episode."}
     )
 
     def __post_init__(self):

@@ -15,7 +15,7 @@ from .files import open_append_no_follow, write_text_no_follow
 
 EventKind = Literal[
     "skip", "overflow", "rollback", "abort", "reward", "save_refused", "restore", "resume", "poison", "preempt",
-    "spike", "hang", "snapshot_interval", "shard_missing",
+    "spike", "hang", "snapshot_interval", "shard_missing", "collapse",
 ]
 EVENTS_FILE = "nan_events.jsonl"
 # The longest line of the event log read (an event is a few hundred bytes; a `resume` event with many passed-over
@@ -44,7 +44,10 @@ class RunEvent:
             exited), `"snapshot_interval"` (the guard chose how many steps apart its snapshots are, from the measured
             `snapshot_seconds` and `step_seconds`, the `budget` and the bounds: not a fault),
             `"shard_missing"` (a rollback found a rank without its shard of the host snapshot, which DDP
-            ranks share out: it loads the newest verified checkpoint instead).
+            ranks share out: it loads the newest verified checkpoint instead), `"collapse"` (GRPO/RLOO: a metric TRL
+            computes, e.g. the entropy or the rewards' spread, crossed its threshold against the run's recent steps
+            for `collapse_patience` steps: `signal`, `metric`, `value`, the window's `median` and `scale`, `threshold`,
+            `direction`; warn-only, training is unchanged).
         nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
             `"rewards"`, `"advantages"`.
         ranks (`list[int]`): the ranks where the loss was non-finite (all ranks see a non-finite gradient norm).

@@ -31,6 +31,7 @@ MARKER_KINDS: dict[str, MarkerKind] = {
     "resume": MarkerKind("resume", "#98df8a"),
     "poison": MarkerKind("poisoned step", "#c49c94"),
     "shard_missing": MarkerKind("snapshot shard missing", "#aec7e8"),
+    "collapse": MarkerKind("collapse warning", "#dbdb8d"),
 }
 
 
@@ -86,6 +87,9 @@ DETAILS: tuple[tuple[str, str], ...] = (
     ("checkpoint", "from {}"),
     ("signal", "signal {}"),
     ("seconds", "{} s"),
+    ("metric", "`{}`"),
+    ("value", "value {}"),
+    ("threshold", "threshold {}"),
 )
 
 

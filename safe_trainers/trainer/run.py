@@ -14,13 +14,15 @@ first (each callback declares its own):
 * 20 [`NanGuardCallback`]: the state is verified before anything after it reads or saves it;
 * 10 [`HangWatchdogCallback`]: its `on_step_end` comes after the guard's inspection, so the inspection's collectives are
   timed with the step;
-* 0 [`CompileWatchCallback`]: anywhere; the compile watch tells the step record and the watchdog when torch compiles.
+* 0 [`CompileWatchCallback`]: anywhere; the compile watch tells the step record and the watchdog when torch compiles;
+* 0 [`CollapseCallback`] (GRPO, RLOO; `collapse/watch.py`): anywhere; it reads the metrics TRL computed, warn-only.
 
 The callbacks are `callbacks.py`'s; what each drives is a plain object of `restarts/` (or the guard), held by the run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,6 +31,7 @@ from typing import Any
 
 from transformers.trainer_callback import DefaultFlowCallback
 
+from ..collapse.watch import CollapseCallback, CollapseWatch, collapse_detail, collapse_message
 from ..guard import NanGuard
 from ..guard.backends import state_bytes
 from ..restarts.agents import restart_count
@@ -50,6 +53,10 @@ from .callbacks import (
 from .background_checkpoints import SaveAwareCallbackHandler
 from .hooks_ran import HookCheckCallback, HooksRan
 from .port import TrainerPort, refuse_unsupported_backend
+
+logger = logging.getLogger("safe_trainers")
+# The trainers whose metrics the collapse watch reads (TRL's GRPO and RLOO name them alike, 1.14 to 1.16).
+COLLAPSE_KINDS = ("grpo", "rloo")
 
 
 @dataclass
@@ -103,6 +110,7 @@ class SafeRun:
         output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
         saves ([`BackgroundSaves`], *optional*): the checkpoint writer thread, with `save_in_background=True`.
         writers ([`WritersDone`], *optional*): when every rank's writer is done, agreed on the guard's all-reduce.
+        collapse ([`CollapseWatch`], *optional*): GRPO/RLOO with `collapse_signals`: the warn-only collapse watch.
         callbacks_read_only (`bool`): every callback of the trainer, on every rank, leaves the weights and optimizer
             state alone, so a verification holds until the next step trains (`read_only.py`; set at train start).
     """
@@ -121,6 +129,7 @@ class SafeRun:
     callbacks_read_only: bool = False
     saves: BackgroundSaves | None = None
     writers: WritersDone | None = None
+    collapse: CollapseWatch | None = None
 
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
@@ -164,8 +173,26 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
         callbacks.append(PreemptionCallback(run.preemption))
     if run.watchdog is not None:
         callbacks.append(HangWatchdogCallback(run.watchdog))
+    run.collapse = build_collapse_watch(trainer, settings, events)
+    if run.collapse is not None:
+        callbacks.append(CollapseCallback(trainer, run.collapse))
     run.callbacks = sorted(callbacks, key=lambda callback: -callback.priority)
     return run
+
+
+def build_collapse_watch(trainer: Any, settings: Any, events: EventLog) -> CollapseWatch | None:
+    """The collapse watch of a GRPO or RLOO trainer with `collapse_signals` (`collapse/`): an episode's start is a
+    `collapse` event and, on the main process, one warning."""
+    if trainer.safety_kind not in COLLAPSE_KINDS or not settings.collapse_signals:
+        return None
+    main, patience = trainer.is_world_process_zero(), settings.collapse_patience
+
+    def report(step: int, rule: Any, verdict: Any, window: int) -> None:
+        events.add(RunEvent(step, "collapse", [], [], collapse_detail(rule, verdict, window, patience)))
+        if main:
+            logger.warning(collapse_message(step, rule, verdict, window, patience))
+
+    return CollapseWatch(settings.collapse_signals, settings.collapse_window, patience, report)
 
 
 def published_by_writer(run: SafeRun, run_dir: str, step: int) -> None:

@@ -169,9 +169,12 @@ def _online(owner: str, since: str, rewards_since: str) -> tuple[T, ...]:
 TRL: tuple[T, ...] = (
     *_online("trl:GRPOTrainer", "<=0.16", rewards_since="0.19"),
     *_online("trl:RLOOTrainer", "0.21-0.24", rewards_since="0.21-0.24"),
-    T("trl:*Trainer", "_metrics", "attribute", "reads, writes", "1.8.0 (all six)", "trainer/replay.py",
-      "TRL's logged metrics, put back after the diagnosis replay",
-      (REPLAY, "tests/guard/test_bookkeeping_contracts.py::test_diagnosis_replay_does_not_count_in_trl_metrics")),
+    T("trl:*Trainer", "_metrics", "attribute", "reads, writes", "1.8.0 (all six)",
+      "trainer/replay.py, collapse/watch.py",
+      "TRL's logged metrics, put back after the diagnosis replay; GRPO's and RLOO's read each step by the collapse "
+      "watch (`entropy`, `reward_std`, `frac_reward_zero_std`, `kl`, `completions/mean_length`, `reward`)",
+      (REPLAY, "tests/guard/test_bookkeeping_contracts.py::test_diagnosis_replay_does_not_count_in_trl_metrics",
+       "tests/collapse/test_collapse_runs.py::test_a_reward_turning_constant_is_reported_within_10_steps")),
     T("trl:*Trainer", "_total_train_tokens", "attribute", "reads, writes", "1.8.0 (all six)", "trainer/replay.py",
       "TRL's token counter (`num_tokens`), put back after the diagnosis replay",
       (REPLAY, "tests/guard/test_bookkeeping_contracts.py::test_diagnosis_replay_does_not_count_in_trl_metrics")),

@@ -1,0 +1,179 @@
+"""Benchmark: the collapse watch's false alarms on clean GRPO/RLOO runs, and its delay on injected collapses, per
+signal, to choose `collapse_signals`' default by measurement (`docs/collapse.md`).
+
+Workloads, on the tiny local model (CPU): the shipped configs (`configs/trainers/grpo.yaml`, `rloo.yaml`: 8
+completions of up to 128 tokens, the `length` reward, lr 1e-6 constant after a 5% warm-up, `beta` 0 and 0.05) and the
+trainers' tests' presets (`"quick"`: lr 1e-5, 2 completions of 8 tokens, `rank_reward`; `"guarded"`: lr 1e-3, 2
+completions of 6 tokens, `count_words_reward`), and a run that learns (`-learning`: 8 completions of up to 16 tokens,
+a word-count reward, lr 1e-3 constant: the others barely move the tiny random model). Every signal is watched (`collapse_signals` = all of them):
+
+1. clean runs of `--steps` steps, `--seeds` seeds each: every `collapse` event is a false alarm;
+2. injected collapses from step `--inject-at` (k): the learning rate x100 from step k (the scheduler's base rates
+   scaled), or every reward function turning constant (1.0) for the completions generated after step k; the delay
+   of each signal is the step of its first `collapse` event minus k ("-": none within `--after` steps).
+
+    python bench/collapse_alarms.py                                  # every workload
+    python bench/collapse_alarms.py --workloads grpo-quick --steps 60 --seeds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import PrinterCallback, TrainerCallback  # noqa: E402
+from workload import markdown_table, quiet  # noqa: E402
+
+from safe_trainers.collapse import SIGNAL_NAMES, SIGNALS  # noqa: E402
+from safe_trainers.runtime.events import read_events  # noqa: E402
+from safe_trainers.scripts.rewards import length  # noqa: E402
+from safe_trainers.testing.build import PRESETS, build_trainer  # noqa: E402
+from safe_trainers.testing.toy import save_toy_model  # noqa: E402
+
+# The shipped configs' training fields (their model and dataset replaced by the toy ones; fp32 on the CPU).
+SHIPPED = dict(
+    num_generations=8, max_completion_length=128, temperature=1.0, per_device_train_batch_size=8,
+    gradient_accumulation_steps=1, learning_rate=1e-6, lr_scheduler_type="constant_with_warmup", warmup_steps=0.05,
+    max_grad_norm=1.0, use_cpu=True,
+)  # fmt: skip
+# A run that learns (the other workloads barely move the tiny random model): 8 completions of up to 16 tokens, a
+# reward with a spread inside every group that the policy can climb (more words), lr 1e-3 constant.
+LEARNING = dict(
+    num_generations=8, per_device_train_batch_size=8, max_completion_length=16, learning_rate=1e-3,
+    lr_scheduler_type="constant", use_cpu=True,
+)  # fmt: skip
+
+
+def word_count(completions, **kwargs) -> list[float]:
+    """The number of words of each completion (a reward a tiny model can climb)."""
+    return [float(len(str(c).split())) for c in completions]
+
+
+# name -> (kind, preset, config fields, reward function)
+WORKLOADS: dict[str, tuple[str, str, dict, Callable]] = {
+    "grpo-shipped": ("grpo", "quick", dict(SHIPPED, beta=0.0), length),
+    "rloo-shipped": ("rloo", "quick", dict(SHIPPED, beta=0.05), length),
+    "grpo-learning": ("grpo", "quick", LEARNING, word_count),
+    "rloo-learning": ("rloo", "quick", dict(LEARNING, bf16=False), word_count),
+    "grpo-quick": ("grpo", "quick", {}, PRESETS["quick"].reward),
+    "rloo-quick": ("rloo", "quick", {}, PRESETS["quick"].reward),
+    "grpo-guarded": ("grpo", "guarded", dict(save_strategy="no"), PRESETS["guarded"].reward),
+    "rloo-guarded": ("rloo", "guarded", dict(save_strategy="no", bf16=False), PRESETS["guarded"].reward),
+}
+
+
+class LearningRateTimes100(TrainerCallback):
+    """From step `at` on, the learning rate x100: the scheduler's base rates (and the current rate) scaled once."""
+
+    def __init__(self, trainer, at: int):
+        self.trainer, self.at = trainer, at
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            scheduler = self.trainer.lr_scheduler
+            scheduler.base_lrs = [lr * 100 for lr in scheduler.base_lrs]
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] *= 100
+
+
+def turning_constant(reward: Callable, trainer_box: list, at: int) -> Callable:
+    """`reward`, until the trainer's step reaches `at`; then 1.0 for every completion."""
+
+    def reward_func(completions, **kwargs):
+        if trainer_box and trainer_box[0].state.global_step >= at:
+            return [1.0] * len(completions)
+        return reward(completions, **kwargs)
+
+    reward_func.__name__ = getattr(reward, "__name__", "reward")
+    return reward_func
+
+
+def run(name: str, model: str, steps: int, seed: int, inject: str | None, at: int) -> tuple[list[dict], float]:
+    """One run of workload `name`; returns its `collapse` events and the seconds it took."""
+    kind, preset, config, reward = WORKLOADS[name]
+    box: list = []
+    if inject == "reward":
+        reward = turning_constant(reward, box, at)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = build_trainer(
+            kind, model, out, preset=preset, max_steps=steps, seed=seed, logging_steps=1,
+            collapse_signals=list(SIGNAL_NAMES), trainer_kwargs={"reward_funcs": reward}, **config,
+        )  # fmt: skip
+        box.append(trainer)
+        trainer.remove_callback(PrinterCallback)  # logging_steps=1: no log line per step on the console
+        if inject == "lr":
+            trainer.add_callback(LearningRateTimes100(trainer, at))
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+        events = [e for e in read_events(out) if e["kind"] == "collapse"]
+        series = [{k: v for k, v in log.items()} for log in trainer.state.log_history]
+    return events, seconds, series
+
+
+def moved(series: list[dict], at: int, after: int) -> list[str]:
+    """Per signal, its metric's median over the 16 steps up to `at` -> over the `after` steps past it (`?`: not
+    logged): whether the injection moved the metric at all."""
+    out = []
+    for rule in SIGNALS:
+        before = [log[rule.key] for log in series if rule.key in log and at - 16 < log.get("step", 0) <= at]
+        past = [log[rule.key] for log in series if rule.key in log and at < log.get("step", 0) <= at + after]
+        before, past = [v for v in before if v is not None], [v for v in past if v is not None]
+        out.append(f"{statistics.median(before):.3g} -> {statistics.median(past):.3g}" if before and past else "?")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=150, help="steps of each clean run")
+    parser.add_argument("--seeds", type=int, default=2, help="clean runs per workload")
+    parser.add_argument("--inject-at", type=int, default=40, help="k: the step the injected collapse starts at")
+    parser.add_argument("--after", type=int, default=15, help="steps an injected run trains past k")
+    parser.add_argument("--series", default=None, help="write every run's log history to this JSON file")
+    ns = parser.parse_args()
+    quiet()
+    model = save_toy_model(os.path.join(tempfile.mkdtemp(), "qwen2"), "qwen2")
+    false_rows, delay_rows, move_rows, all_series = [], [], [], {}
+    for name in ns.workloads:
+        alarms = dict.fromkeys(SIGNAL_NAMES, 0)
+        total, seconds = 0, 0.0
+        for seed in range(ns.seeds):
+            events, took, series = run(name, model, ns.steps, seed, None, 0)
+            all_series[f"{name}/clean/{seed}"] = series
+            total, seconds = total + ns.steps, seconds + took
+            for event in events:
+                alarms[event["signal"]] += 1
+                print(f"  false alarm: {name} seed {seed} step {event['step']}: {event}", flush=True)
+        false_rows.append((name, total, *[alarms[s] for s in SIGNAL_NAMES], f"{seconds / total:.2f}"))
+        print(markdown_table(["workload", "steps", *SIGNAL_NAMES, "s/step"], false_rows[-1:]), flush=True)
+        for inject in ("lr", "reward"):
+            events, _, series = run(name, model, ns.inject_at + ns.after, 0, inject, ns.inject_at)
+            all_series[f"{name}/{inject}"] = series
+            first = {}
+            for event in events:
+                first.setdefault(event["signal"], event["step"] - ns.inject_at)
+            label = "lr x100" if inject == "lr" else "constant reward"
+            delay_rows.append((name, label, *[first.get(s, "-") for s in SIGNAL_NAMES]))
+            move_rows.append((name, label, *moved(series, ns.inject_at, ns.after)))
+            print(markdown_table(["workload", "injected", *SIGNAL_NAMES], delay_rows[-1:]), flush=True)
+    print("\nFalse alarms (collapse events on clean runs):\n")
+    print(markdown_table(["workload", "steps", *SIGNAL_NAMES, "s/step"], false_rows))
+    print(f"\nDelay after k={ns.inject_at} (steps to the first collapse event; '-': none in {ns.after} steps):\n")
+    print(markdown_table(["workload", "injected", *SIGNAL_NAMES], delay_rows))
+    print(f"\nEach metric's median over the 16 steps up to k -> over the {ns.after} steps after (did it move?):\n")
+    print(markdown_table(["workload", "injected", *SIGNAL_NAMES], move_rows))
+    if ns.series:
+        with open(ns.series, "w") as f:
+            json.dump(all_series, f)
+
+
+if __name__ == "__main__":
+    main()
