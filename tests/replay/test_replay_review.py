@@ -148,3 +148,15 @@ def test_a_grpo_rollback_found_before_a_generation_has_a_bundle(toy_models, tmp_
     trainer.train()
     assert [(e["step"], e["kind"]) for e in read_events(out)] == [(5, "rollback")]
     assert bundle_steps(out) == [5]
+
+
+def test_args_json_hides_a_token_inside_any_text():
+    """`args.json` hides credentials by name and by shape, also inside a longer text or a nested mapping."""
+    from safe_trainers import DPOConfig
+    from safe_trainers.trainer.replay_bundles import config_record
+
+    token = "hf_" + "a1B2" * 9
+    config = DPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", hub_token=token,
+                       run_name=f"run with {token}", model_init_kwargs={"token": "plain", "note": f"see {token}"})
+    text = json.dumps(config_record(config), default=str)
+    assert token not in text and "plain" not in text and "run with <hidden>" in text
