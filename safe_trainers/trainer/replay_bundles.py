@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..guard import Judged
-from ..redact import mask_secret
+from ..redact import hide_in_text, mask_secret
 from ..replay.bundle import fit, rotate_bundles, write_bundle
 from ..replay.rerun import checkpoint_before
 from ..runtime.nested import map_tensors
@@ -139,12 +139,14 @@ def _rewards(trainer: Any) -> torch.Tensor | None:
 
 def config_record(args: Any) -> dict[str, Any]:
     """The trainer's config as `to_dict()` writes it, with the special tokens it masks put back and every value
-    whose name or shape says it is a credential hidden (`redact.py`)."""
+    whose name or shape says it is a credential hidden, and a known token's shape inside any text (a `run_name`
+    that quotes one) too (`redact.py`)."""
     record = args.to_dict()
     for name in record:
         if name.endswith("_token") and name != "hub_token" and isinstance(getattr(args, name, None), (str, type(None))):
             record[name] = getattr(args, name)
-    return {name: mask_secret(name, value) for name, value in record.items()}
+    masked = {name: mask_secret(name, value) for name, value in record.items()}
+    return map_tensors(masked, lambda t: t, lambda leaf: hide_in_text(leaf) if isinstance(leaf, str) else leaf)
 
 
 __all__ = ["config_record", "nonfinite_entries", "write_bundles"]
