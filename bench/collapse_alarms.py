@@ -5,15 +5,21 @@ Workloads, on the tiny local model (CPU): the shipped configs (`configs/trainers
 completions of up to 128 tokens, the `length` reward, lr 1e-6 constant after a 5% warm-up, `beta` 0 and 0.05) and the
 trainers' tests' presets (`"quick"`: lr 1e-5, 2 completions of 8 tokens, `rank_reward`; `"guarded"`: lr 1e-3, 2
 completions of 6 tokens, `count_words_reward`), and a run that learns (`-learning`: 8 completions of up to 16 tokens,
-a word-count reward, lr 1e-3 constant: the others barely move the tiny random model). Every signal is watched (`collapse_signals` = all of them):
+a word-count reward, lr 1e-3 constant: the others barely move the tiny random model). Every signal is watched
+(`collapse_signals` = all of them):
 
 1. clean runs of `--steps` steps, `--seeds` seeds each: every `collapse` event is a false alarm;
 2. injected collapses from step `--inject-at` (k): the learning rate x100 from step k (the scheduler's base rates
    scaled), or every reward function turning constant (1.0) for the completions generated after step k; the delay
    of each signal is the step of its first `collapse` event minus k ("-": none within `--after` steps).
 
-    python bench/collapse_alarms.py                                  # every workload
+    python bench/collapse_alarms.py --series runs.json               # every workload; the runs' logs kept
     python bench/collapse_alarms.py --workloads grpo-quick --steps 60 --seeds 1
+    python bench/collapse_alarms.py --replay runs.json other.json     # the tables again, from kept logs
+
+`--replay` judges the kept per-step logs (`logging_steps=1`) with the watch as it is now, one step at a time: exact,
+since the watch never changes training and these workloads generate and train one micro-batch per step, so a step's
+logged metric is the value the watch reads. It is how a threshold change is measured without training again.
 """
 
 from __future__ import annotations
@@ -130,6 +136,53 @@ def moved(series: list[dict], at: int, after: int) -> list[str]:
     return out
 
 
+def replayed(series: list[dict]) -> list[dict]:
+    """The `collapse` events the watch, with every signal on and the default window and patience, gives on a kept
+    log history."""
+    from safe_trainers.arguments import SafetyArguments
+    from safe_trainers.collapse.watch import CollapseWatch
+
+    settings = SafetyArguments()
+    watch = CollapseWatch(SIGNAL_NAMES, settings.collapse_window, settings.collapse_patience)
+    for log in series:
+        if "train_runtime" not in log:
+            watch.step_end(log["step"], {k: [v] for k, v in log.items() if isinstance(v, (int, float))})
+    return [{"step": step, "signal": name} for step, name in watch.episodes]
+
+
+def replay(paths: list[str], at: int, after: int) -> None:
+    """The tables of [`main`] from kept runs (`--series` files): `<workload>/clean/<seed>`, `<workload>/lr`,
+    `<workload>/reward`."""
+    runs: dict[str, list[dict]] = {}
+    for path in paths:
+        with open(path) as f:
+            runs.update(json.load(f))
+    false_rows, delay_rows, move_rows = [], [], []
+    for name in [w for w in WORKLOADS if any(run.startswith(f"{w}/") for run in runs)]:
+        clean = [series for run, series in runs.items() if run.startswith(f"{name}/clean/")]
+        alarms = dict.fromkeys(SIGNAL_NAMES, 0)
+        for series in clean:
+            for event in replayed(series):
+                alarms[event["signal"]] += 1
+        steps = sum(sum(1 for log in series if "train_runtime" not in log) for series in clean)
+        false_rows.append((name, f"{steps} ({len(clean)} runs)", *[alarms[s] for s in SIGNAL_NAMES]))
+        for inject, label in (("lr", "lr x100"), ("reward", "constant reward")):
+            series = runs.get(f"{name}/{inject}")
+            if series is None:
+                continue
+            first: dict[str, int] = {}
+            for event in replayed(series):
+                first.setdefault(event["signal"], event["step"] - at)
+            delay_rows.append((name, label, *[first.get(s, "-") for s in SIGNAL_NAMES]))
+            move_rows.append((name, label, *moved(series, at, after)))
+    print("False alarms (collapse episodes on clean runs):\n")
+    print(markdown_table(["workload", "steps", *SIGNAL_NAMES], false_rows))
+    print(f"\nDelay after k={at} (steps to the first collapse episode; '-': none in {after} steps):\n")
+    print(markdown_table(["workload", "injected", *SIGNAL_NAMES], delay_rows))
+    print(f"\nEach metric's median over the 16 steps up to k -> over the {after} steps after (did it move?):\n")
+    print(markdown_table(["workload", "injected", *SIGNAL_NAMES], move_rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -138,7 +191,10 @@ def main() -> None:
     parser.add_argument("--inject-at", type=int, default=40, help="k: the step the injected collapse starts at")
     parser.add_argument("--after", type=int, default=15, help="steps an injected run trains past k")
     parser.add_argument("--series", default=None, help="write every run's log history to this JSON file")
+    parser.add_argument("--replay", nargs="+", default=None, help="judge kept `--series` files instead of training")
     ns = parser.parse_args()
+    if ns.replay:
+        return replay(ns.replay, ns.inject_at, ns.after)
     quiet()
     model = save_toy_model(os.path.join(tempfile.mkdtemp(), "qwen2"), "qwen2")
     false_rows, delay_rows, move_rows, all_series = [], [], [], {}
