@@ -96,6 +96,13 @@ class SafetyArguments:
         written, checked (complete, finite) and published by a background thread, and `on_save`, hub uploads,
         rotation and the step record see it once published. `False` writes every checkpoint before training goes
         on. Under DDP rank 0 writes and every rank is told at the same step; DeepSpeed and FSDP save synchronously.
+
+    > Parameters that control where the events are reported
+
+    event_alert_interval (`float`, *optional*, defaults to `600.0`):
+        With `report_to` naming `"wandb"`: the least number of seconds between two W&B alerts (`run.alert`) of the
+        same event kind (skip, rollback, abort, ...); the events held back meanwhile are counted in the next one.
+        `0`: one alert per event. Every event still reaches TensorBoard and the W&B summary (docs/observability.md).
     """
 
     safety_mode: SafetyMode = field(
@@ -230,6 +237,13 @@ class SafetyArguments:
     )
     job_end_slack: float = field(
         default=60.0, metadata={"help": "Seconds kept free before the job's end beyond a step and a save."}
+    )
+    event_alert_interval: float = field(
+        default=600.0,
+        metadata={
+            "help": "With `report_to` naming `wandb`: the least seconds between two W&B alerts of the same event "
+            "kind (0: one per event)."
+        },
     )
 
     def __post_init__(self):

@@ -14,6 +14,8 @@ first (each callback declares its own):
 * 20 [`NanGuardCallback`]: the state is verified before anything after it reads or saves it;
 * 10 [`HangWatchdogCallback`]: its `on_step_end` comes after the guard's inspection, so the inspection's collectives are
   timed with the step;
+* 5 [`EventReportCallback`] (`reporting.py`, when `report_to` names TensorBoard or W&B): after the guard's and the
+  watchdog's, whose train-end events it reports; it finds the integrations' writers once they opened them;
 * 0 [`CompileWatchCallback`]: anywhere; the compile watch tells the step record and the watchdog when torch compiles.
 
 The callbacks are `callbacks.py`'s; what each drives is a plain object of `restarts/` (or the guard), held by the run.
@@ -50,6 +52,7 @@ from .callbacks import (
 from .background_checkpoints import SaveAwareCallbackHandler
 from .hooks_ran import HookCheckCallback, HooksRan
 from .port import TrainerPort, refuse_unsupported_backend
+from .reporting import EventReportCallback, EventReporter, reports_events
 
 
 @dataclass
@@ -103,6 +106,8 @@ class SafeRun:
         output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
         saves ([`BackgroundSaves`], *optional*): the checkpoint writer thread, with `save_in_background=True`.
         writers ([`WritersDone`], *optional*): when every rank's writer is done, agreed on the guard's all-reduce.
+        reporter ([`EventReporter`], *optional*): hands the events to TensorBoard and W&B, when `report_to` names
+            them (`reporting.py`).
         callbacks_read_only (`bool`): every callback of the trainer, on every rank, leaves the weights and optimizer
             state alone, so a verification holds until the next step trains (`read_only.py`; set at train start).
     """
@@ -121,6 +126,7 @@ class SafeRun:
     callbacks_read_only: bool = False
     saves: BackgroundSaves | None = None
     writers: WritersDone | None = None
+    reporter: EventReporter | None = None
 
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
@@ -164,6 +170,10 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
         callbacks.append(PreemptionCallback(run.preemption))
     if run.watchdog is not None:
         callbacks.append(HangWatchdogCallback(run.watchdog))
+    if reports_events(args.report_to):
+        run.reporter = EventReporter(main, lambda: run.guard.state.counters(), settings.event_alert_interval)
+        events.observers.append(run.reporter)
+        callbacks.append(EventReportCallback(trainer, run.reporter))
     run.callbacks = sorted(callbacks, key=lambda callback: -callback.priority)
     return run
 
