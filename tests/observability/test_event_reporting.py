@@ -80,7 +80,7 @@ def test_tensorboard_markers_at_the_events_steps(toy_models, tmp_path, monkeypat
 
 
 def test_wandb_alerts_summary_and_history(toy_models, tmp_path, monkeypatch):
-    from wandb_records import records, run_file
+    from wandb_records import finished_records, run_file
 
     import wandb
 
@@ -94,7 +94,7 @@ def test_wandb_alerts_summary_and_history(toy_models, tmp_path, monkeypatch):
         wandb.finish()
     events = read_events(str(tmp_path / "out"))
     assert [(e["step"], e["kind"]) for e in events] == EXPECTED
-    written = records(run_file(str(tmp_path)))
+    written = finished_records(run_file(str(tmp_path)))
     alerts = [r.alert for r in written if r.WhichOneof("record_type") == "alert"]
     # One alert per kind: the second and third skips fall within the 10 minutes of the first.
     assert sorted(a.title for a in alerts) == ["safe_trainers: rollback", "safe_trainers: update skipped"]

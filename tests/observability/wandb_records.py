@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import struct
+import time
 
 HEADER = 7
 BLOCK = 32 * 1024
@@ -25,10 +26,13 @@ def records(path: str) -> list:
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        if pos + HEADER + length > len(data):
+            break  # a chunk still being written
         chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == 0 and length == 0:
             continue
+        assert kind in (FULL, FIRST, MIDDLE, LAST) and (kind in (FULL, FIRST)) == (not parts), f"bad chunk at {pos}"
         parts.append(chunk)
         if kind in (FULL, LAST):
             record = wandb_internal_pb2.Record()
@@ -36,6 +40,17 @@ def records(path: str) -> list:
             out.append(record)
             parts = []
     return out
+
+
+def finished_records(path: str, timeout: float = 60.0) -> list:
+    """The records of the run at `path` once its `exit` record is written: `wandb.finish()` may return before W&B's
+    service process has written the last records of an offline run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in out) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
 
 
 def run_file(wandb_dir: str) -> str:
