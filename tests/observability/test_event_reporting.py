@@ -153,3 +153,12 @@ def test_which_report_to_reaches_the_events(report_to, expected):
     from safe_trainers.trainer.reporting import reports_events
 
     assert reports_events(report_to) is expected
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_event_alert_interval_is_checked(tmp_path, value):
+    from safe_trainers import DPOConfig
+
+    with pytest.raises(ValueError, match=r"`event_alert_interval` must be a number of seconds >= 0"):
+        DPOConfig(output_dir=str(tmp_path), use_cpu=True, event_alert_interval=value)
+    assert DPOConfig(output_dir=str(tmp_path), use_cpu=True, event_alert_interval=0).event_alert_interval == 0
