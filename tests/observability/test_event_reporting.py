@@ -14,6 +14,7 @@ import pytest
 
 from safe_trainers.guard import read_events
 from safe_trainers.runtime.alerts import AlertLimiter, alert_due
+from safe_trainers.runtime.events import RunEvent
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
@@ -68,6 +69,13 @@ def test_tensorboard_markers_at_the_events_steps(toy_models, tmp_path, monkeypat
     # The counters the Trainer logs stay there beside the markers.
     assert [s.value for s in accumulator.Scalars("train/nan_guard/skipped_steps")][-1] == 3
     assert "nan_guard/events/snapshot_interval" not in tags["scalars"]
+    # An event added after the integration closed its writer (as `restore` and `preempt` are, when `train()` ends)
+    # goes to the same directory, and the writer reopened for it is closed again.
+    trainer.safe_run.events.add(RunEvent(10, "restore", ["weights_or_optimizer_state"], [0], {"restored_step": 8}))
+    accumulator.Reload()
+    assert [s.step for s in accumulator.Scalars("nan_guard/events/restore")] == [10]
+    sink = trainer.safe_run.reporter.sinks[0]
+    assert sink.callback.tb_writer is None and sink.writer.all_writers is None  # closed
     # Resumed from checkpoint-10 for two more steps: the `resume` event, added before TensorBoard's callback opened its
     # writer, reaches it at the resumed step.
     resumed = guarded_dpo(toy_models, tmp_path / "out", report_to=["tensorboard"], max_steps=12)
@@ -76,7 +84,7 @@ def test_tensorboard_markers_at_the_events_steps(toy_models, tmp_path, monkeypat
     accumulator.Reload()
     assert [s.step for s in accumulator.Scalars("nan_guard/events/resume")] == [10]
     texts = accumulator.Tensors("nan_guard/events/text_summary")
-    assert [t.step for t in texts] == [3, 5, 7, 7, 10]
+    assert [t.step for t in texts] == [3, 5, 7, 7, 10, 10]  # the restore, then the resume
 
 
 def test_wandb_alerts_summary_and_history(toy_models, tmp_path, monkeypatch):
