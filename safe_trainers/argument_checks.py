@@ -71,6 +71,8 @@ def validate_safety_arguments(settings: Any) -> None:
         ("job_end_time", settings.job_end_time is None or math.isfinite(settings.job_end_time),
          "a Unix time in seconds (0: no deadline)"),
         ("job_end_slack", math.isfinite(settings.job_end_slack) and settings.job_end_slack >= 0, "a number >= 0"),
+        ("event_alert_interval", math.isfinite(settings.event_alert_interval) and settings.event_alert_interval >= 0,
+         "a number of seconds >= 0 (0: one alert per event)"),
         ("save_in_background", isinstance(settings.save_in_background, bool), "`True` or `False`"),
     ]
     for name, ok, expected in checks:

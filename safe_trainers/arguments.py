@@ -117,6 +117,12 @@ class SafetyArguments:
         starts once half of them are seen.
     collapse_patience (`int`, *optional*, defaults to `3`):
         Steps in a row past a signal's threshold that make an episode (and back within it that end one).
+    > Parameters that control where the events are reported
+
+    event_alert_interval (`float`, *optional*, defaults to `600.0`):
+        With `report_to` naming `"wandb"`: the least number of seconds between two W&B alerts (`run.alert`) of the
+        same event kind (skip, rollback, abort, ...); the events held back meanwhile are counted in the next one.
+        `0`: one alert per event. Every event still reaches TensorBoard and the W&B summary (docs/observability.md).
     """
 
     safety_mode: SafetyMode = field(
@@ -261,6 +267,13 @@ class SafetyArguments:
     )
     job_end_slack: float = field(
         default=60.0, metadata={"help": "Seconds kept free before the job's end beyond a step and a save."}
+    )
+    event_alert_interval: float = field(
+        default=600.0,
+        metadata={
+            "help": "With `report_to` naming `wandb`: the least seconds between two W&B alerts of the same event "
+            "kind (0: one per event)."
+        },
     )
 
     collapse_signals: list[str] = field(

@@ -9,6 +9,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal
 
 from .files import open_append_no_follow, write_text_no_follow
@@ -69,12 +70,15 @@ class RunEvent:
 
 
 class EventLog:
-    """Keeps the events of one run in memory and appends them to `nan_events.jsonl` (main process only)."""
+    """Keeps the events of one run in memory and appends them to `nan_events.jsonl` (main process only), then hands
+    each to the `observers` (e.g. the reporting to TensorBoard and W&B, `trainer/reporting.py`), whichever module
+    added it; an observer that raises is logged and the run goes on."""
 
     def __init__(self, output_dir: str, write: bool):
         self.path = os.path.join(output_dir, EVENTS_FILE)
         self.write = write
         self.events: list[RunEvent] = []
+        self.observers: list[Callable[[RunEvent], None]] = []
 
     def start_run(self, resumed_at: int | None) -> str | None:
         """Begin a run. A new run (`resumed_at=None`) starts its own log and keeps the previous run's as
@@ -105,6 +109,11 @@ class EventLog:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open_append_no_follow(self.path) as f:  # a link there is refused (`runtime/files.py`)
                 f.write(json.dumps(event.to_dict()) + "\n")
+        for observer in self.observers:
+            try:
+                observer(event)
+            except Exception as error:  # reporting an event never stops the run that recorded it
+                logger.warning(f"NaN guard: the `{event.kind}` event of step {event.step} was not reported: {error!r}")
         return event
 
 

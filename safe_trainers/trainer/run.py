@@ -14,6 +14,8 @@ first (each callback declares its own):
 * 20 [`NanGuardCallback`]: the state is verified before anything after it reads or saves it;
 * 10 [`HangWatchdogCallback`]: its `on_step_end` comes after the guard's inspection, so the inspection's collectives are
   timed with the step;
+* 5 [`EventReportCallback`] (`reporting.py`, when `report_to` names TensorBoard or W&B): after the guard's and the
+  watchdog's, whose train-end events it reports; it finds the integrations' writers once they opened them;
 * 0 [`CompileWatchCallback`]: anywhere; the compile watch tells the step record and the watchdog when torch compiles;
 * 0 [`CollapseCallback`] (GRPO, RLOO; `collapse/watch.py`): anywhere; it reads the metrics TRL computed, warn-only.
 
@@ -53,6 +55,7 @@ from .callbacks import (
 from .background_checkpoints import SaveAwareCallbackHandler
 from .hooks_ran import HookCheckCallback, HooksRan
 from .port import TrainerPort, refuse_unsupported_backend
+from .reporting import EventReportCallback, EventReporter, reports_events
 
 logger = logging.getLogger("safe_trainers")
 # The trainers whose metrics the collapse watch reads (TRL's GRPO and RLOO name them alike, 1.14 to 1.16).
@@ -111,6 +114,8 @@ class SafeRun:
         saves ([`BackgroundSaves`], *optional*): the checkpoint writer thread, with `save_in_background=True`.
         writers ([`WritersDone`], *optional*): when every rank's writer is done, agreed on the guard's all-reduce.
         collapse ([`CollapseWatch`], *optional*): GRPO/RLOO with `collapse_signals`: the warn-only collapse watch.
+        reporter ([`EventReporter`], *optional*): hands the events to TensorBoard and W&B, when `report_to` names
+            them (`reporting.py`).
         callbacks_read_only (`bool`): every callback of the trainer, on every rank, leaves the weights and optimizer
             state alone, so a verification holds until the next step trains (`read_only.py`; set at train start).
     """
@@ -130,6 +135,7 @@ class SafeRun:
     saves: BackgroundSaves | None = None
     writers: WritersDone | None = None
     collapse: CollapseWatch | None = None
+    reporter: EventReporter | None = None
 
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
@@ -176,6 +182,10 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     run.collapse = build_collapse_watch(trainer, settings, events)
     if run.collapse is not None:
         callbacks.append(CollapseCallback(trainer, run.collapse))
+    if reports_events(args.report_to):
+        run.reporter = EventReporter(main, lambda: run.guard.state.counters(), settings.event_alert_interval)
+        events.observers.append(run.reporter)
+        callbacks.append(EventReportCallback(trainer, run.reporter))
     run.callbacks = sorted(callbacks, key=lambda callback: -callback.priority)
     return run
 

@@ -153,6 +153,7 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "hang_action": "auto",
         "job_end_time": None,
         "job_end_slack": 60.0,
+        "event_alert_interval": 600.0,
         "save_in_background": True,
     }
     assert safe_dict == plain.to_dict()
