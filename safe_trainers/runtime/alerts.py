@@ -21,6 +21,7 @@ ALERT_LEVELS: dict[str, str] = {
     "restore": "WARN",
     "poison": "WARN",
     "shard_missing": "WARN",
+    "collapse": "WARN",
     "overflow": "INFO",
     "preempt": "INFO",
     "resume": "INFO",

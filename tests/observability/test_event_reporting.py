@@ -9,12 +9,13 @@ import json
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 
 from safe_trainers.guard import read_events
-from safe_trainers.runtime.alerts import AlertLimiter, alert_due
-from safe_trainers.runtime.events import RunEvent
+from safe_trainers.runtime.alerts import ALERT_LEVELS, AlertLimiter, alert_due
+from safe_trainers.runtime.events import EventKind, RunEvent
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
@@ -25,6 +26,11 @@ EXPECTED = [(3, "skip"), (5, "skip"), (7, "skip"), (7, "rollback")]
 
 def guarded_dpo(toy_models, tmp_path, **config):
     return build_trainer("dpo", toy_models["qwen2"], tmp_path, preset="guarded", faults=FAULTS, **config)
+
+
+def test_every_event_kind_but_a_chosen_setting_raises_an_alert():
+    # A new event kind must be given a level (or be added here as not an incident): a kind left out never alerts.
+    assert set(ALERT_LEVELS) == set(typing.get_args(EventKind)) - {"snapshot_interval"}
 
 
 def test_alert_rate_limit_per_kind():
