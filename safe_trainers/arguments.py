@@ -100,29 +100,27 @@ class SafetyArguments:
     job_end_slack (`float`, *optional*, defaults to `60.0`):
         Seconds kept free before `job_end_time` beyond the longest step and the save time.
     save_in_background (`bool`, *optional*, defaults to `True`):
-        With `nan_guard`, a checkpoint blocks training only while the state is copied to host memory; its files are
-        written, checked (complete, finite) and published by a background thread, and `on_save`, hub uploads,
-        rotation and the step record see it once published. `False` writes every checkpoint before training goes
-        on. Under DDP rank 0 writes and every rank is told at the same step; DeepSpeed and FSDP save synchronously.
+        With `nan_guard`, a checkpoint blocks training only while the state is copied to host memory; a background
+        thread writes, checks and publishes it, and `on_save`, uploads, rotation and the step record see it then.
+        `False` writes every checkpoint before training goes on. DeepSpeed and FSDP save synchronously.
 
     > Parameters that control the collapse watch (GRPO and RLOO)
 
     collapse_signals (`list[str]`, *optional*, defaults to `["entropy", "reward_std", "frac_reward_zero_std", "kl",
     "completion_length"]`):
-        With `nan_guard`, the metrics TRL computes that are judged at every step against the run's own recent steps,
-        for a run going bad without a NaN: a `collapse` event and one warning per episode, training unchanged
-        (`docs/collapse.md`). Also `"reward"` (off by default: false alarms on clean runs). `[]` disables.
+        With `nan_guard`, the metrics TRL computes that are judged at every step against the run's own recent steps:
+        one warn-only `collapse` event per episode (`docs/collapse.md`). Also `"reward"` (off by default: it caught
+        no injected collapse, and a falling mean reward is often none). `[]` disables.
     collapse_window (`int`, *optional*, defaults to `32`):
-        How many recent steps each signal's level (median) and scale (median absolute deviation) cover; judging
-        starts once half of them are seen.
+        Recent steps each signal's level (median) and scale (median absolute deviation) cover; judged from half.
     collapse_patience (`int`, *optional*, defaults to `3`):
         Steps in a row past a signal's threshold that make an episode (and back within it that end one).
+
     > Parameters that control where the events are reported
 
     event_alert_interval (`float`, *optional*, defaults to `600.0`):
-        With `report_to` naming `"wandb"`: the least number of seconds between two W&B alerts (`run.alert`) of the
-        same event kind (skip, rollback, abort, ...); the events held back meanwhile are counted in the next one.
-        `0`: one alert per event. Every event still reaches TensorBoard and the W&B summary (docs/observability.md).
+        With `report_to` naming `"wandb"`: the least seconds between two W&B alerts (`run.alert`) of one event kind;
+        the events held back are counted in the next one. `0`: one alert per event (docs/observability.md).
     """
 
     safety_mode: SafetyMode = field(
@@ -242,8 +240,7 @@ class SafetyArguments:
         default=900.0,
         metadata={
             "help": "Ceiling, in seconds, on a step's time (compilation not counted) before the run is taken for "
-            "hung (stacks written, see `hang_action`); the bound learned from the run's steps is usually far lower "
-            "(0 disables)."
+            "hung (stacks written, see `hang_action`); the bound learned from the steps is lower (0 disables)."
         },
     )
     hang_timeout_factor: float = field(
@@ -269,13 +266,8 @@ class SafetyArguments:
         default=60.0, metadata={"help": "Seconds kept free before the job's end beyond a step and a save."}
     )
     event_alert_interval: float = field(
-        default=600.0,
-        metadata={
-            "help": "With `report_to` naming `wandb`: the least seconds between two W&B alerts of the same event "
-            "kind (0: one per event)."
-        },
+        default=600.0, metadata={"help": "Least seconds between two W&B alerts of one event kind (0: one per event)."}
     )
-
     collapse_signals: list[str] = field(
         default_factory=lambda: list(DEFAULT_SIGNALS),
         metadata={

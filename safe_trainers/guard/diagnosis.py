@@ -48,9 +48,11 @@ class RecentBatches:
         process)."""
         return self._steps.get(step, []) if step is not None and step not in self.dropped else []
 
-    def kept(self, step: int) -> list[Any]:
-        """Every micro-batch kept for `step`, a poisoned step's included (for its replay bundle)."""
-        return self._steps.get(step, [])
+    def bundles(self, steps: list[int]) -> tuple[dict[int, list[Any]], set[int]]:
+        """Every micro-batch kept for each of `steps` that has any, poisoned steps' included (for their replay
+        bundles), and which of those steps were poisoned."""
+        kept = {step: self._steps[step] for step in steps if self._steps.get(step)}
+        return kept, kept.keys() & self.dropped
 
     def clear(self) -> None:
         self._steps.clear()

@@ -77,6 +77,7 @@ class NanGuard:
         self.verified_step, self.damaged_ranks = -1, []  # the step known finite; the ranks found damaged
         self.flags, self.deepspeed = StepFlags(), False  # DeepSpeed steps in `backward`, skips non-finite steps itself
         self.interval = SnapshotInterval(settings)  # how many steps apart the snapshots are (it adapts)
+        self.bundles_on = getattr(settings, "nan_replay_max_bytes", 0) > 0  # faulted steps kept (docs/replay.md)
         self._consecutive = 0
         self._refresh_best = False
 
@@ -85,10 +86,9 @@ class NanGuard:
         backoff off `optimizer`, the trainer's from that run, if any); a resumed run restores them."""
         if resume_from is None:  # a new run on the same trainer reuses its optimizer: the previous backoff goes
             undo_backoff(unwrap_optimizer(optimizer), self.state.lr_scale)
-        resumed_at = None
-        if resume_from is not None:  # a directory not named `checkpoint-N` keeps the whole log
-            step = checkpoint_step(resume_from)
-            resumed_at = step if step is not None else sys.maxsize
+        step = checkpoint_step(resume_from) if resume_from is not None else None
+        # A directory not named `checkpoint-N` keeps the whole log.
+        resumed_at = None if resume_from is None else step if step is not None else sys.maxsize
         moved = self.events.start_run(resumed_at=resumed_at)
         if moved:
             logger.info(f"NaN guard: the previous run's event log was kept as {moved}.")
@@ -125,14 +125,8 @@ class NanGuard:
 
     # ------------------------------------------------------------------ hot path (no host sync)
     def record_inputs(self, inputs: Any, dropped: bool = False) -> None:
-        """Keep a host copy of one micro-batch's prepared inputs, for diagnosis (`dropped`: a poisoned step's batch
-        as the dataloader gave it, kept for its replay bundle only)."""
+        """Keep a host copy of one micro-batch's inputs, for diagnosis (`dropped`: a poisoned step's, bundle only)."""
         self.batches.record(inputs, dropped)
-
-    @property
-    def bundles_on(self) -> bool:
-        """Faulted steps are written as replay bundles (`nan_replay_max_bytes > 0`, docs/replay.md)."""
-        return getattr(self.settings, "nan_replay_max_bytes", 0) > 0
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Fold one micro-batch loss (as `training_step` returns it) into the step's flag and sums."""
@@ -191,8 +185,7 @@ class NanGuard:
             self.state.localized = True
             judged.replay, judged.replay_step = batches, diagnosed
         if self.bundles_on:
-            judged.bundles = {s: self.batches.kept(s) for s in bundled_steps(verdict) if self.batches.kept(s)}
-            judged.dropped = {s for s in judged.bundles if s in self.batches.dropped}
+            judged.bundles, judged.dropped = self.batches.bundles(bundled_steps(verdict))
         return judged
 
     def settle(self, judged: Judged, diagnosis: dict[str, Any] | None = None) -> Decision:
@@ -219,8 +212,7 @@ class NanGuard:
         return decision
 
     def record(self, decision: Decision) -> None:
-        """Record the inspection's events (overflows, spikes, skips) and counters, once: before any `rollback` or
-        `abort` event of the same inspection, and also when the restore fails."""
+        """Record the inspection's events and counters once: before its `rollback`/`abort`, and if the restore fails."""
         if decision.recorded:
             return
         decision.recorded, verdict = True, decision.verdict
@@ -251,8 +243,7 @@ class NanGuard:
         return restored
 
     def diverged(self, decision: Decision, restored: Restored, checkpoint: str | None) -> TrainingDivergedError:
-        """The run stops over the restored state, saved by the caller as `checkpoint` (`None`: the save failed):
-        record the `abort` event and return the error to raise."""
+        """The run stops over the restored state saved as `checkpoint` (`None`: failed): record it, return the error."""
         facts = (decision.verdict, restored, self.state, self.rollbacks_this_run, self.settings.nan_max_rollbacks)
         return diverged_error(self.events, *facts, checkpoint)
 
@@ -267,8 +258,7 @@ class NanGuard:
         return EndRestore(best=best) if best else EndRestore(load=self.snapshotter.to_load(self.port.state.global_step))
 
     def restored_at_end(self, end: EndRestore) -> Restored:
-        """Put the last good state back over a state damaged after the last check (the caller loaded `end`'s
-        checkpoint) and record a `restore` event; no backoff and no counter: training is over."""
+        """Put the last good state back over one damaged after the last check (`end` loaded): a `restore` event."""
         with self.clock.paused():
             restored = record_end_restore(self.port, self.snapshotter, self.events, end.best, self.damaged_ranks)
         self.verified_step = restored.at_step
@@ -284,12 +274,11 @@ class NanGuard:
         return not self.damaged_ranks
 
     def state_verified(self) -> bool:
-        """Whether the state is known finite at this step (checked now unless this step was already verified)."""
+        """Whether the state is known finite at this step (checked now unless already verified)."""
         return self.verified_step == self.port.state.global_step or self.state_is_finite()
 
     def take_snapshot(self) -> bool:
-        """Keep the current state as the last good one; returns whether the caller must publish it as a checkpoint
-        (the disk source's first good state)."""
+        """Keep the state as the last good one; whether the caller must publish it (the disk source's first)."""
         with self.clock.paused(), self.interval.timed():  # a copy of the whole state: not timed with the step
             self.snapshotter.take(self.port.state)
         self.interval.after_snapshot(self.port.state, self.snapshotter, self.port, self.events)
