@@ -1,12 +1,14 @@
 """Review of the events in TensorBoard and W&B (`trainer/reporting.py`), with the real writers: a run that aborts
 (`TrainingDivergedError` leaves `train()`, so no `on_train_end`) with `logging_steps=2` and the skips on a logging
-step, and `event_alert_interval=0`, which must reach W&B as "no wait" rather than W&B's own default of one minute."""
+step, and `event_alert_interval=0`, which must reach W&B as "no wait" rather than W&B's own default of one minute; a
+run that dies of another error after a skip leaves W&B's summary with the counters of that skip."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from transformers import TrainerCallback
 
 from safe_trainers.errors import TrainingDivergedError
 from safe_trainers.guard import read_events
@@ -63,3 +65,41 @@ def test_an_abort_reaches_tensorboard_and_wandb_before_train_raises_and_interval
     rows = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
             for r in written if r.WhichOneof("record_type") == "history"]  # fmt: skip
     assert [(row["train/global_step"], row["train/nan_guard/skipped_steps"]) for row in rows] == [(2, 0), (4, 2)]
+
+
+class CrashAt(TrainerCallback):
+    """Ends the run with an error that is not the guard's (a dead data loader, a lost node) as step `step` begins:
+    no `on_train_end`, so W&B's summary keeps what the last event put there."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("the data loader died")
+
+
+def test_the_wandb_summary_written_with_an_event_counts_that_event(toy_models, tmp_path, monkeypatch):
+    from wandb_records import finished_records, run_file
+
+    import wandb
+
+    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+                        "WANDB_PROJECT": "safe-trainers-test"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path / "out", preset="guarded", faults=[Fault(3, "loss")], report_to=["wandb"]
+    )
+    trainer.add_callback(CrashAt(6))
+    try:
+        with pytest.raises(RuntimeError, match="data loader died"):
+            trainer.train()
+    finally:
+        wandb.finish()
+    assert [(e["step"], e["kind"]) for e in read_events(str(tmp_path / "out"))] == [(3, "skip")]
+    summary = {}
+    for r in finished_records(run_file(str(tmp_path))):
+        if r.WhichOneof("record_type") == "summary":
+            summary.update({item.key: json.loads(item.value_json) for item in r.summary.update})
+    # The guard counted the skip after it added the event, so the summary said 0 skipped steps beside 1 `skip` event.
+    assert summary["nan_guard/events/skip"] == 1 and summary["nan_guard/skipped_steps"] == 1
