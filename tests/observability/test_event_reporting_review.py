@@ -16,18 +16,30 @@ from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
 
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B offline, its runs under `tmp_path`. W&B keeps the settings it read from the environment at its first run
+    in a process-wide singleton (so a later test's `WANDB_DIR` would be ignored): torn down before and after."""
+    import wandb
+
+    wandb.teardown()
+    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+                        "WANDB_PROJECT": "safe-trainers-test"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    yield wandb
+    wandb.finish()
+    wandb.teardown()
+
+
 def test_an_abort_reaches_tensorboard_and_wandb_before_train_raises_and_interval_zero_waits_for_nothing(
-    toy_models, tmp_path, monkeypatch
+    toy_models, tmp_path, monkeypatch, offline_wandb
 ):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from wandb_records import finished_records, run_file
 
-    import wandb
-
+    wandb = offline_wandb
     logdir = tmp_path / "tb"
-    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
-                        "WANDB_PROJECT": "safe-trainers-test", "TENSORBOARD_LOGGING_DIR": str(logdir)}.items():
-        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))
     # Every step from 3 on fails and no rollback is allowed: skips at 3 to 6 (4 and 6 are logging steps), then abort.
     trainer = build_trainer(
         "dpo", toy_models["qwen2"], tmp_path / "out", preset="guarded", faults=[Fault(3, "loss", repeat=1000)],
@@ -79,14 +91,10 @@ class CrashAt(TrainerCallback):
             raise RuntimeError("the data loader died")
 
 
-def test_the_wandb_summary_written_with_an_event_counts_that_event(toy_models, tmp_path, monkeypatch):
+def test_the_wandb_summary_written_with_an_event_counts_that_event(toy_models, tmp_path, offline_wandb):
     from wandb_records import finished_records, run_file
 
-    import wandb
-
-    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
-                        "WANDB_PROJECT": "safe-trainers-test"}.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
+    wandb = offline_wandb
     trainer = build_trainer(
         "dpo", toy_models["qwen2"], tmp_path / "out", preset="guarded", faults=[Fault(3, "loss")], report_to=["wandb"]
     )
