@@ -6,6 +6,7 @@ run that dies of another error after a skip leaves W&B's summary with the counte
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from transformers import TrainerCallback
@@ -111,3 +112,35 @@ def test_the_wandb_summary_written_with_an_event_counts_that_event(toy_models, t
             summary.update({item.key: json.loads(item.value_json) for item in r.summary.update})
     # The guard counted the skip after it added the event, so the summary said 0 skipped steps beside 1 `skip` event.
     assert summary["nan_guard/events/skip"] == 1 and summary["nan_guard/skipped_steps"] == 1
+
+
+class PauseAt(TrainerCallback):
+    """Sleeps `seconds` as step `step` begins (a slow step, so that the alert interval passes)."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            time.sleep(self.seconds)
+
+
+def test_the_first_alert_after_the_interval_counts_the_held_back_events(toy_models, tmp_path, offline_wandb):
+    from wandb_records import finished_records, run_file
+
+    # Skips at 3 and 4 (one inspection: `logging_steps=2`), then a 6 s step, then a skip at 8, with a 4 s interval.
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], tmp_path / "out", preset="guarded", report_to=["wandb"], logging_steps=2,
+        faults=[Fault(3, "loss"), Fault(4, "loss"), Fault(8, "loss")], event_alert_interval=4,
+    )  # fmt: skip
+    trainer.add_callback(PauseAt(6, 6.0))
+    trainer.train()
+    offline_wandb.finish()
+    assert [(e["step"], e["kind"]) for e in read_events(str(tmp_path / "out"))] == [(3, "skip"), (4, "skip"),
+                                                                                    (8, "skip")]  # fmt: skip
+    alerts = [r.alert for r in finished_records(run_file(str(tmp_path))) if r.WhichOneof("record_type") == "alert"]
+    assert [a.text.split(":")[0] for a in alerts] == ["step 3", "step 8"]
+    assert "more `skip`" not in alerts[0].text and alerts[1].text.endswith(
+        "(1 more `skip` events since the last alert of this kind.)"
+    )
+    assert [a.wait_duration for a in alerts] == [4000, 4000]
