@@ -144,9 +144,14 @@ def record_window(
         if i == 0 and diagnosis is not None:
             detail["first_nonfinite_module"] = diagnosis
         made.append(RunEvent(record.step, "skip", record.what, list(record.bad_ranks), detail))
+    spikes, skipped = [r.step for r in verdict.spikes], [r.step for r in verdict.skipped]
+    # Counted before the events are added: an event's observers (W&B's run summary, `trainer/reporting.py`) read the
+    # counters as they are with it; a process that dies before the next event or the end of training leaves them so.
+    state.overflow_steps += len(verdict.overflows)
+    state.spike_steps += len(spikes)
+    state.skipped_steps += len(skipped)
     for event in sorted(made, key=lambda event: event.step):  # stable: one step is never two of these kinds
         events.add(event)
-    spikes, skipped = [r.step for r in verdict.spikes], [r.step for r in verdict.skipped]
     if spikes and spikes_skipped:
         logger.warning(
             f"NaN guard: {len(spikes)} update(s) whose loss or gradient norm spiked far above the recent steps' were "
@@ -157,9 +162,6 @@ def record_window(
             f"NaN guard: {len(skipped)} update(s) with a non-finite loss or gradient were not applied "
             f"(steps {skipped}). See {events.path}."
         )
-    state.overflow_steps += len(verdict.overflows)
-    state.spike_steps += len(spikes)
-    state.skipped_steps += len(skipped)
 
 
 def record_rewards(events: EventLog, step: int, nonfinite: int, total: int, whole_groups: int) -> RunEvent:

@@ -37,6 +37,9 @@ REPORTED = ("tensorboard", "wandb")  # the `report_to` names whose integrations 
 EVENT_SCALAR = "nan_guard/events/{kind}"
 EVENT_TEXT = "nan_guard/events"
 EVENT_COUNT = "nan_guard/events/{kind}"  # in W&B's run summary: the events of each kind this process saw
+# W&B reads a `wait_duration` of 0 (falsy) as its default, one minute, and counts it in milliseconds: an
+# `event_alert_interval=0` is passed as 1 ms, so that W&B's own limit on alerts of one title lets every alert through.
+LEAST_WAIT = 0.001
 
 
 def reports_events(report_to: Any) -> bool:
@@ -103,7 +106,7 @@ class WandbSink:
             more = f"\n\n({held} more `{event.kind}` events since the last alert of this kind.)" if held else ""
             self.run.alert(
                 title=f"safe_trainers: {label}"[:63], text=event_text(event) + more, level=level,
-                wait_duration=self.limiter.interval or None,
+                wait_duration=max(self.limiter.interval, LEAST_WAIT),
             )  # fmt: skip
         self.summarize(counters)
 
