@@ -40,6 +40,12 @@ EVENT_COUNT = "nan_guard/events/{kind}"  # in W&B's run summary: the events of e
 # W&B reads a `wait_duration` of 0 (falsy) as its default, one minute, and counts it in milliseconds: an
 # `event_alert_interval=0` is passed as 1 ms, so that W&B's own limit on alerts of one title lets every alert through.
 LEAST_WAIT = 0.001
+# The limiter here enforces `event_alert_interval`; W&B's server-side limit is given half of it, so that an alert sent
+# exactly one interval after the last one is never dropped there for arriving a little early.
+SERVER_WAIT_SHARE = 0.5
+# How long an event waits for another thread's report in progress (a `hang` from the watchdog's thread must never block
+# on a main thread stuck in a writer's flush: past this, it is left to the event log alone).
+LOCK_WAIT = 5.0
 
 
 def reports_events(report_to: Any) -> bool:
@@ -106,7 +112,7 @@ class WandbSink:
             more = f"\n\n({held} more `{event.kind}` events since the last alert of this kind.)" if held else ""
             self.run.alert(
                 title=f"safe_trainers: {label}"[:63], text=event_text(event) + more, level=level,
-                wait_duration=max(self.limiter.interval, LEAST_WAIT),
+                wait_duration=max(self.limiter.interval * SERVER_WAIT_SHARE, LEAST_WAIT),
             )  # fmt: skip
         self.summarize(counters)
 
@@ -134,10 +140,16 @@ class EventReporter:
         """An event was added to the log ([`EventLog`] observer)."""
         if not self.main:
             return
-        with self.lock:
+        if not self.lock.acquire(timeout=LOCK_WAIT):
+            logger.warning(f"The `{event.kind}` event at step {event.step} was not reported to TensorBoard or W&B: "
+                           "another report is stuck; it is in `nan_events.jsonl`.")  # fmt: skip
+            return
+        try:
             self.seen[event.kind] += 1
             self.pending.append(event)
             self._drain()
+        finally:
+            self.lock.release()
 
     def bind(self, callbacks: list[Any]) -> None:
         """Find the writers the integrations among `callbacks` opened, and send what waited for them."""

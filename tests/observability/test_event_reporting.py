@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import typing
 
 import pytest
@@ -114,7 +115,7 @@ def test_wandb_alerts_summary_and_history(toy_models, tmp_path, monkeypatch):
     assert sorted(a.title for a in alerts) == ["safe_trainers: rollback", "safe_trainers: update skipped"]
     assert {a.title: a.level for a in alerts} == {"safe_trainers: rollback": "WARN",
                                                   "safe_trainers: update skipped": "WARN"}  # fmt: skip
-    assert all(a.wait_duration == 600_000 for a in alerts)
+    assert all(a.wait_duration == 300_000 for a in alerts)  # half the interval: W&B's own limit never drops ours
     summary = {}
     for r in written:
         if r.WhichOneof("record_type") == "summary":
@@ -176,3 +177,19 @@ def test_event_alert_interval_is_checked(tmp_path, value):
     with pytest.raises(ValueError, match=r"`event_alert_interval` must be a number of seconds >= 0"):
         DPOConfig(output_dir=str(tmp_path), use_cpu=True, event_alert_interval=value)
     assert DPOConfig(output_dir=str(tmp_path), use_cpu=True, event_alert_interval=0).event_alert_interval == 0
+
+
+def test_an_event_from_another_thread_never_waits_long_on_a_report_in_progress(monkeypatch, caplog):
+    # The watchdog adds a `hang` event on its own thread, then exits the process: a main thread stuck in a writer's
+    # flush, holding the reporter's lock, must not keep it from exiting.
+    from safe_trainers.trainer import reporting
+
+    monkeypatch.setattr(reporting, "LOCK_WAIT", 0.2)
+    reporter = reporting.EventReporter(True, dict, 600.0)
+    reporter.lock.acquire()  # a report stuck on the main thread
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (reporter(RunEvent(4, "hang")), done.set()))
+    thread.start()
+    assert done.wait(timeout=5), "the event waited for the stuck report"
+    assert reporter.pending == [] and "was not reported" in caplog.text
+    reporter.lock.release()

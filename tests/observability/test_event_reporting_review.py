@@ -143,4 +143,4 @@ def test_the_first_alert_after_the_interval_counts_the_held_back_events(toy_mode
     assert "more `skip`" not in alerts[0].text and alerts[1].text.endswith(
         "(1 more `skip` events since the last alert of this kind.)"
     )
-    assert [a.wait_duration for a in alerts] == [4000, 4000]
+    assert [a.wait_duration for a in alerts] == [2000, 2000]
