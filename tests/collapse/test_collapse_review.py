@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 
 from safe_trainers.collapse.watch import StepMetrics
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import Fault
 
 
 def test_a_replay_restoring_a_copy_of_the_metrics_does_not_read_earlier_steps_again():
@@ -23,3 +25,21 @@ def test_a_replay_restoring_a_copy_of_the_metrics_does_not_read_earlier_steps_ag
     metrics["train"].clear()
     metrics["train"]["entropy"] = [4.0, 6.0]
     assert taken.take(metrics["train"], ["entropy"]) == {"entropy": 5.0}
+
+
+def test_a_nan_steps_diagnosis_replay_leaves_the_judged_values_per_step(toy_models, tmp_path):
+    """A real GRPO run logging every 4 steps, a NaN loss at step 3 (the guard's diagnosis replays it, then puts back
+    a copy of TRL's metrics): the reward judged at each step is that step's own (the reward is the step number)."""
+    box: list = []
+
+    def step_reward(completions, **kwargs):
+        return [float(box[0].state.global_step + 1)] * len(completions)  # during step s, `global_step` is s - 1
+
+    trainer = build_trainer(
+        "grpo", toy_models["qwen2"], tmp_path, max_steps=4, logging_steps=4, collapse_signals=["reward"],
+        collapse_window=8, faults=[Fault(step=3, kind="loss")], trainer_kwargs={"reward_funcs": step_reward},
+    )  # fmt: skip
+    box.append(trainer)
+    trainer.train()
+    assert trainer.nan_guard.state.skipped_steps == 1  # the fault hit (and was diagnosed)
+    assert list(trainer.safe_run.collapse.states[0].window) == [1.0, 2.0, 3.0, 4.0]
