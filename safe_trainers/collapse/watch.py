@@ -105,7 +105,7 @@ class CollapseWatch:
         patience: int,
         report: Callable[[int, Signal, Verdict, int], None] | None = None,
     ):
-        self.states = [SignalState(signal(name), deque(maxlen=window)) for name in signals]
+        self.states = [SignalState(signal(name), deque(maxlen=window)) for name in dict.fromkeys(signals)]
         self.warmup = max(2, window // 2)
         self.patience = patience
         self.report = report

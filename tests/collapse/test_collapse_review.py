@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import copy
 
-from safe_trainers.collapse.watch import StepMetrics
+from safe_trainers.arguments import SafetyArguments
+from safe_trainers.collapse.watch import CollapseWatch, StepMetrics
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
@@ -43,3 +44,13 @@ def test_a_nan_steps_diagnosis_replay_leaves_the_judged_values_per_step(toy_mode
     trainer.train()
     assert trainer.nan_guard.state.skipped_steps == 1  # the fault hit (and was diagnosed)
     assert list(trainer.safe_run.collapse.states[0].window) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_signal_named_twice_is_watched_once():
+    """`collapse_signals=["entropy", "entropy"]` made two states reading the same value: two events per collapse."""
+    assert SafetyArguments(collapse_signals="entropy, entropy,kl").collapse_signals == ["entropy", "kl"]
+    watch = CollapseWatch(["entropy", "entropy"], window=8, patience=2)
+    for step, value in enumerate([3.0] * 8 + [0.1] * 4, start=1):
+        watch.step_end(step, {"entropy": [value]})
+        watch.metrics.logged()
+    assert watch.episodes == [(10, "entropy")]
