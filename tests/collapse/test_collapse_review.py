@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from safe_trainers.arguments import SafetyArguments
 from safe_trainers.collapse.watch import CollapseWatch, StepMetrics
+from safe_trainers.runtime.events import read_events
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
@@ -54,3 +57,23 @@ def test_a_signal_named_twice_is_watched_once():
         watch.step_end(step, {"entropy": [value]})
         watch.metrics.logged()
     assert watch.episodes == [(10, "entropy")]
+
+
+def six_words_or_more(completions, **kwargs):
+    """A sparse 0/1 reward (like a correctness check): 1 for a completion of 6 words or more."""
+    return [float(len(str(c).split()) >= 6) for c in completions]
+
+
+@pytest.mark.xfail(strict=True, reason="defect found in review, not fixed: a sparse 0/1 reward with one group per "
+                   "step leaves runs of steps whose only group is all 0 by chance; `reward_std` and "
+                   "`frac_reward_zero_std` (on by default) report them on a clean run")
+def test_a_clean_run_with_a_sparse_binary_reward_has_no_collapse_event(toy_models, tmp_path):
+    """Clean GRPO, 8 completions of up to 16 tokens (one group per step), lr 1e-3, the default signals: no event.
+    Measured in review (150 steps, seed 0): episodes of both signals at steps 22 and 71."""
+    trainer = build_trainer(
+        "grpo", toy_models["qwen2"], tmp_path, max_steps=30, seed=0, num_generations=8, per_device_train_batch_size=8,
+        max_completion_length=16, learning_rate=1e-3, lr_scheduler_type="constant",
+        trainer_kwargs={"reward_funcs": six_words_or_more},
+    )  # fmt: skip
+    trainer.train()
+    assert [e["signal"] for e in read_events(str(tmp_path)) if e["kind"] == "collapse"] == []
