@@ -77,3 +77,21 @@ def test_a_clean_run_with_a_sparse_binary_reward_has_no_collapse_event(toy_model
     )  # fmt: skip
     trainer.train()
     assert [e["signal"] for e in read_events(str(tmp_path)) if e["kind"] == "collapse"] == []
+
+
+def test_a_generation_spanning_two_steps_is_judged_once_at_the_step_that_generated(toy_models, tmp_path):
+    """`steps_per_generation=2`, logging every 3 steps (TRL's clear falls between generations): the reward (the step
+    number of its generation) is judged at steps 1, 3, 5 only, each value once; entropy at every step."""
+    box: list = []
+
+    def step_reward(completions, **kwargs):
+        return [float(box[0].state.global_step + 1)] * len(completions)
+
+    trainer = build_trainer(
+        "grpo", toy_models["qwen2"], tmp_path, max_steps=6, logging_steps=3, steps_per_generation=2,
+        collapse_signals=["reward", "entropy"], collapse_window=8, trainer_kwargs={"reward_funcs": step_reward},
+    )  # fmt: skip
+    box.append(trainer)
+    trainer.train()
+    reward, entropy = trainer.safe_run.collapse.states
+    assert list(reward.window) == [1.0, 3.0, 5.0] and len(entropy.window) == 6
