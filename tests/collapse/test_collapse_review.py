@@ -95,3 +95,20 @@ def test_a_generation_spanning_two_steps_is_judged_once_at_the_step_that_generat
     trainer.train()
     reward, entropy = trainer.safe_run.collapse.states
     assert list(reward.window) == [1.0, 3.0, 5.0] and len(entropy.window) == 6
+
+
+def test_evaluation_metrics_never_enter_the_train_judgment(toy_models, tmp_path):
+    """Evaluation every 2 steps, logging every 3: the reward of evaluation's completions (100) is never judged."""
+    box: list = []
+
+    def step_reward(completions, **kwargs):
+        return [float(box[0].state.global_step + 1) if box[0].model.training else 100.0] * len(completions)
+
+    trainer = build_trainer(
+        "grpo", toy_models["qwen2"], tmp_path, max_steps=6, logging_steps=3, eval_rows=4, eval_strategy="steps",
+        eval_steps=2, collapse_signals=["reward"], collapse_window=8, trainer_kwargs={"reward_funcs": step_reward},
+    )  # fmt: skip
+    box.append(trainer)
+    trainer.train()
+    assert any("eval_reward" in log for log in trainer.state.log_history)  # evaluation ran, and generated
+    assert list(trainer.safe_run.collapse.states[0].window) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
