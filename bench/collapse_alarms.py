@@ -147,6 +147,7 @@ def replayed(series: list[dict]) -> list[dict]:
     for log in series:
         if "train_runtime" not in log:
             watch.step_end(log["step"], {k: [v] for k, v in log.items() if isinstance(v, (int, float))})
+            watch.metrics.logged()  # each kept log is one step's (`logging_steps=1`): TRL cleared after it
     return [{"step": step, "signal": name} for step, name in watch.episodes]
 
 

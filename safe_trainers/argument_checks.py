@@ -33,6 +33,7 @@ def validate_safety_arguments(settings: Any) -> None:
         )
     if isinstance(settings.collapse_signals, str):
         settings.collapse_signals = [s for s in settings.collapse_signals.replace(",", " ").split() if s]
+    settings.collapse_signals = list(dict.fromkeys(settings.collapse_signals))  # a signal named twice: watched once
     unknown = [name for name in settings.collapse_signals if name not in SIGNAL_NAMES]
     if unknown:
         raise ValueError(

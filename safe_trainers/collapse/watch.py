@@ -28,10 +28,18 @@ logger = logging.getLogger("safe_trainers")
 
 class StepMetrics:
     """The values appended to TRL's metric lists since the last look. TRL clears its metrics dictionary at each log
-    (new lists are made on the next append), so a list is known by its identity, not its length."""
+    (new lists are made on the next append), so a list held since the last look is read from where the look left
+    it; a list that is a new object is read whole only when a log came in between ([`logged`]): otherwise it is a
+    copy of the one held (the guard's diagnosis replay puts back a deep copy of `_metrics`), whose values up to
+    the last look were judged already."""
 
     def __init__(self):
-        self._seen: dict[str, tuple[list, int]] = {}
+        self._seen: dict[str, tuple[list, int, int]] = {}  # key: (list, values read, logs seen then)
+        self._logs = 0
+
+    def logged(self) -> None:
+        """The Trainer logged (TRL clears its metrics right after): lists made from now on are new ones."""
+        self._logs += 1
 
     def take(self, metrics: Mapping[str, Any], keys: Sequence[str]) -> dict[str, float]:
         """For each of `keys` with new values in `metrics`, their mean (plain floats only: a tensor is never read)."""
@@ -40,9 +48,9 @@ class StepMetrics:
             values = metrics.get(key)
             if not isinstance(values, list):
                 continue
-            held, count = self._seen.get(key, (None, 0))
-            start = count if held is values else 0
-            self._seen[key] = (values, len(values))
+            held, count, logs = self._seen.get(key, (None, 0, self._logs))
+            start = count if held is values or (held is not None and logs == self._logs) else 0
+            self._seen[key] = (values, len(values), self._logs)
             new = [v for v in values[start:] if isinstance(v, (int, float)) and math.isfinite(v)]
             if new:
                 out[key] = sum(new) / len(new)
@@ -97,7 +105,7 @@ class CollapseWatch:
         patience: int,
         report: Callable[[int, Signal, Verdict, int], None] | None = None,
     ):
-        self.states = [SignalState(signal(name), deque(maxlen=window)) for name in signals]
+        self.states = [SignalState(signal(name), deque(maxlen=window)) for name in dict.fromkeys(signals)]
         self.warmup = max(2, window // 2)
         self.patience = patience
         self.report = report
@@ -162,6 +170,9 @@ class CollapseCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs: Any):
         metrics = getattr(self.trainer, "_metrics", {}).get("train", {})
         self.watch.step_end(state.global_step, metrics)
+
+    def on_log(self, args, state, control, **kwargs: Any):
+        self.watch.metrics.logged()  # TRL's `log` clears its metrics after the callbacks' `on_log`
 
 
 __all__ = ["CollapseCallback", "CollapseWatch", "SignalState", "StepMetrics", "collapse_detail", "collapse_message"]

@@ -42,6 +42,7 @@ def watch_of(name: str) -> tuple[CollapseWatch, list]:
 def feed(watch: CollapseWatch, key: str, values: list[float], start: int = 1) -> None:
     for step, value in enumerate(values, start=start):
         watch.step_end(step, {key: [value]})
+        watch.metrics.logged()  # `logging_steps=1`: TRL's `log` clears its lists after every step
 
 
 def test_every_signal_has_levels_here():
@@ -125,7 +126,8 @@ def test_step_values_are_the_new_ones_across_trls_clear_and_tensors_are_never_re
         metrics["entropy"].append(5.0)
         assert taken.take(metrics, ["entropy"]) == {"entropy": 5.0}
         assert taken.take(metrics, ["entropy"]) == {}  # nothing new this step
-        metrics.clear()  # TRL's `log`
+        taken.logged()  # TRL's `log`: the callbacks' `on_log`, then the clear
+        metrics.clear()
         metrics["entropy"] = [7.0]
         assert taken.take(metrics, ["entropy"]) == {"entropy": 7.0}
         metrics["entropy"].append(float("nan"))

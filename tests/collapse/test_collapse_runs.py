@@ -33,6 +33,7 @@ class WatchedForHostReads:
 
     def __init__(self, watch):
         self.watch, self.reads = watch, []
+        self.metrics = watch.metrics
 
     def step_end(self, step, metrics):
         with HostReads() as reads:
