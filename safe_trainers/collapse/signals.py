@@ -69,8 +69,9 @@ SIGNALS: tuple[Signal, ...] = (
            meaning="the mean reward falls by half its level and half a reward unit or more"),
 )
 SIGNAL_NAMES: tuple[str, ...] = tuple(signal.name for signal in SIGNALS)
-# On by default: the signals with no false alarm on the measured clean runs (`docs/collapse.md`).
-DEFAULT_SIGNALS: tuple[str, ...] = ("entropy", "reward_std", "frac_reward_zero_std", "kl", "completion_length")
+# On by default: the signals with no false alarm on any clean run measured (`docs/collapse.md`); `reward_std` and
+# `frac_reward_zero_std` alarm on a clean run with a sparse 0/1 reward and one group per step, `reward` caught nothing.
+DEFAULT_SIGNALS: tuple[str, ...] = ("entropy", "kl", "completion_length")
 
 
 def signal(name: str) -> Signal:

@@ -8,6 +8,7 @@ import copy
 import pytest
 
 from safe_trainers.arguments import SafetyArguments
+from safe_trainers.collapse import DEFAULT_SIGNALS, SIGNAL_NAMES
 from safe_trainers.collapse.watch import CollapseWatch, StepMetrics
 from safe_trainers.runtime.events import read_events
 from safe_trainers.testing.build import build_trainer
@@ -64,19 +65,19 @@ def six_words_or_more(completions, **kwargs):
     return [float(len(str(c).split()) >= 6) for c in completions]
 
 
-@pytest.mark.xfail(strict=True, reason="defect found in review, not fixed: a sparse 0/1 reward with one group per "
-                   "step leaves runs of steps whose only group is all 0 by chance; `reward_std` and "
-                   "`frac_reward_zero_std` (on by default) report them on a clean run")
-def test_a_clean_run_with_a_sparse_binary_reward_has_no_collapse_event(toy_models, tmp_path):
-    """Clean GRPO, 8 completions of up to 16 tokens (one group per step), lr 1e-3, the default signals: no event.
-    Measured in review (150 steps, seed 0): episodes of both signals at steps 22 and 71."""
+def test_a_clean_run_with_a_sparse_binary_reward_alarms_only_on_signals_off_by_default(toy_models, tmp_path):
+    """Clean GRPO, 8 completions of up to 16 tokens (one group per step), lr 1e-3, every signal watched: the step's
+    only group is all 0 by chance for a few steps now and then, which `reward_std` and `frac_reward_zero_std` take for
+    a collapse (measured in review, 150 steps, seed 0: episodes at steps 22 and 71). That false alarm is why they are
+    off by default; no default signal may alarm here."""
     trainer = build_trainer(
         "grpo", toy_models["qwen2"], tmp_path, max_steps=30, seed=0, num_generations=8, per_device_train_batch_size=8,
-        max_completion_length=16, learning_rate=1e-3, lr_scheduler_type="constant",
+        max_completion_length=16, learning_rate=1e-3, lr_scheduler_type="constant", collapse_signals=list(SIGNAL_NAMES),
         trainer_kwargs={"reward_funcs": six_words_or_more},
     )  # fmt: skip
     trainer.train()
-    assert [e["signal"] for e in read_events(str(tmp_path)) if e["kind"] == "collapse"] == []
+    fired = {e["signal"] for e in read_events(str(tmp_path)) if e["kind"] == "collapse"}
+    assert fired <= {"reward_std", "frac_reward_zero_std"} and not fired & set(DEFAULT_SIGNALS), fired
 
 
 def test_a_generation_spanning_two_steps_is_judged_once_at_the_step_that_generated(toy_models, tmp_path):

@@ -51,7 +51,7 @@ def grpo(toy_models, out, reward, **config):
 
 def test_a_reward_turning_constant_is_reported_within_10_steps(toy_models, tmp_path):
     box: list = []
-    trainer = grpo(toy_models, tmp_path, reward_turning_constant(box))
+    trainer = grpo(toy_models, tmp_path, reward_turning_constant(box), collapse_signals=list(SIGNAL_NAMES))
     box.append(trainer)
     callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CollapseCallback))
     callback.watch = watched = WatchedForHostReads(callback.watch)
