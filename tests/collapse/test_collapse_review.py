@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
-
 from safe_trainers.arguments import SafetyArguments
 from safe_trainers.collapse import DEFAULT_SIGNALS, SIGNAL_NAMES
 from safe_trainers.collapse.watch import CollapseWatch, StepMetrics
