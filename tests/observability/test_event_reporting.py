@@ -5,7 +5,6 @@ back; the alert rate limit on a fake clock; nothing of either with `report_to="n
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -95,7 +94,8 @@ def test_tensorboard_markers_at_the_events_steps(toy_models, tmp_path, monkeypat
 
 
 def test_wandb_alerts_summary_and_history(toy_models, tmp_path, monkeypatch):
-    from wandb_records import finished_records, run_file
+    from wandb_records import finished_records, history_rows, of_kind, run_file
+    from wandb_records import summary as wandb_summary
 
     import wandb
 
@@ -110,20 +110,16 @@ def test_wandb_alerts_summary_and_history(toy_models, tmp_path, monkeypatch):
     events = read_events(str(tmp_path / "out"))
     assert [(e["step"], e["kind"]) for e in events] == EXPECTED
     written = finished_records(run_file(str(tmp_path)))
-    alerts = [r.alert for r in written if r.WhichOneof("record_type") == "alert"]
+    alerts = of_kind(written, "alert")
     # One alert per kind: the second and third skips fall within the 10 minutes of the first.
     assert sorted(a.title for a in alerts) == ["safe_trainers: rollback", "safe_trainers: update skipped"]
     assert {a.title: a.level for a in alerts} == {"safe_trainers: rollback": "WARN",
                                                   "safe_trainers: update skipped": "WARN"}  # fmt: skip
     assert all(a.wait_duration == 300_000 for a in alerts)  # half the interval: W&B's own limit never drops ours
-    summary = {}
-    for r in written:
-        if r.WhichOneof("record_type") == "summary":
-            summary.update({item.key: json.loads(item.value_json) for item in r.summary.update})
+    summary = wandb_summary(written)
     assert summary["nan_guard/skipped_steps"] == 3 and summary["nan_guard/rollbacks"] == 1
     assert summary["nan_guard/events/skip"] == 3 and summary["nan_guard/events/rollback"] == 1
-    rows = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-            for r in written if r.WhichOneof("record_type") == "history"]  # fmt: skip
+    rows = history_rows(written)
     with_loss = [row for row in rows if "train/loss" in row]
     assert len(with_loss) == 10  # one per logged step, none dropped
     assert all("train/nan_guard/skipped_steps" in row and "train/nan_guard/rollbacks" in row for row in with_loss)

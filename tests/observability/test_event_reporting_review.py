@@ -36,7 +36,8 @@ def test_an_abort_reaches_tensorboard_and_wandb_before_train_raises_and_interval
     toy_models, tmp_path, monkeypatch, offline_wandb
 ):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from wandb_records import finished_records, run_file
+    from wandb_records import finished_records, history_rows, of_kind, run_file
+    from wandb_records import summary as wandb_summary
 
     wandb = offline_wandb
     logdir = tmp_path / "tb"
@@ -61,22 +62,18 @@ def test_an_abort_reaches_tensorboard_and_wandb_before_train_raises_and_interval
     finally:
         wandb.finish()
     written = finished_records(run_file(str(tmp_path)))
-    alerts = [r.alert for r in written if r.WhichOneof("record_type") == "alert"]
+    alerts = of_kind(written, "alert")
     assert [(a.title, a.level) for a in alerts] == [("safe_trainers: update skipped", "WARN")] * 4 + [
         ("safe_trainers: abort", "ERROR")
     ]
     # `event_alert_interval=0` is "one alert per event": W&B reads a `wait_duration` of 0 as its default (1 minute)
     # and its server drops an alert of the same title within it, so 3 of the 4 skips would never reach anyone.
     assert all(a.wait_duration < 1000 for a in alerts), [a.wait_duration for a in alerts]
-    summary = {}
-    for r in written:
-        if r.WhichOneof("record_type") == "summary":
-            summary.update({item.key: json.loads(item.value_json) for item in r.summary.update})
+    summary = wandb_summary(written)
     # The counters as they were when the run stopped, though `on_train_end` (the final summary) never ran.
     assert summary["nan_guard/skipped_steps"] == 4 and summary["nan_guard/discarded_steps"] == 4
     assert summary["nan_guard/events/skip"] == 4 and summary["nan_guard/events/abort"] == 1
-    rows = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-            for r in written if r.WhichOneof("record_type") == "history"]  # fmt: skip
+    rows = history_rows(written)
     assert [(row["train/global_step"], row["train/nan_guard/skipped_steps"]) for row in rows] == [(2, 0), (4, 2)]
 
 

@@ -5,6 +5,7 @@ header: checksum, length, type (1 full, 2 first, 3 middle, 4 last) and the bytes
 from __future__ import annotations
 
 import glob
+import json
 import os
 import struct
 import time
@@ -58,3 +59,19 @@ def run_file(wandb_dir: str) -> str:
     found = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(found) == 1, found
     return found[0]
+
+
+def of_kind(written: list, kind: str) -> list:
+    """The payloads of the records of one type (`"alert"`, `"summary"`, `"history"`, ...), in order."""
+    return [getattr(r, kind) for r in written if r.WhichOneof("record_type") == kind]
+
+
+def summary(written: list) -> dict:
+    """The run summary as the records left it (each update over the earlier ones)."""
+    return {item.key: json.loads(item.value_json) for update in of_kind(written, "summary") for item in update.update}
+
+
+def history_rows(written: list) -> list[dict]:
+    """The history rows, each `{key: value}` (a nested key joined with `/`)."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in h.item}
+            for h in of_kind(written, "history")]  # fmt: skip
