@@ -16,13 +16,12 @@ import json
 import os
 import re
 import shutil
-import uuid
 from typing import Any
 
 import torch
 
 from ..restarts.rotation import rotation_victims
-from ..runtime.files import link_refused, open_no_follow, write_text_no_follow
+from ..runtime.files import link_refused, write_file_no_follow, write_text_no_follow
 from ..runtime.nested import map_tensors, tensors
 
 REPLAY_DIR = "nan_replay"
@@ -94,15 +93,7 @@ def write_bundle(output_dir: str, step: int, rank: int, payload: dict[str, Any],
     _fresh_dir(os.path.join(output_dir, REPLAY_DIR))
     directory = bundle_dir(output_dir, step)
     _fresh_dir(directory)
-    path = os.path.join(directory, rank_file(rank))
-    tmp = os.path.join(directory, f".{rank_file(rank)}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with os.fdopen(open_no_follow(tmp, os.O_EXCL), "wb") as f:
-            torch.save(payload, f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+    write_file_no_follow(os.path.join(directory, rank_file(rank)), lambda f: torch.save(payload, f), binary=True)
     if args is not None:
         write_text_no_follow(os.path.join(directory, ARGS_FILE), json.dumps(args, indent=1, default=str))
     if meta is not None:  # last: a bundle is listed once its meta is there

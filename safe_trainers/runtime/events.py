@@ -8,8 +8,8 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .files import open_append_no_follow, write_text_no_follow

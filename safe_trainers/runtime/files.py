@@ -19,7 +19,8 @@ import errno
 import os
 import stat
 import uuid
-from typing import IO
+from collections.abc import Callable
+from typing import IO, Any
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -69,12 +70,18 @@ def write_text_no_follow(path: str, text: str, durable: bool = False) -> None:
         text (`str`): its new content.
         durable (`bool`): fsync the file before the rename (the directory is the caller's to fsync).
     """
+    write_file_no_follow(path, lambda f: f.write(text), durable=durable)
+
+
+def write_file_no_follow(path: str, write: Callable[[IO], Any], binary: bool = False, durable: bool = False) -> None:
+    """[`write_text_no_follow`] for any content: `write(f)` fills the temporary file (opened in binary mode with
+    `binary`, e.g. for `torch.save`), which is then renamed over `path`."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
     fd = open_no_follow(tmp, os.O_EXCL)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
             f.flush()
             if durable:
                 os.fsync(f.fileno())
@@ -108,5 +115,6 @@ def fsync_tree(root: str) -> None:
 
 
 __all__ = [
-    "fsync_path", "fsync_tree", "link_refused", "open_append_no_follow", "open_no_follow", "write_text_no_follow",
+    "fsync_path", "fsync_tree", "link_refused", "open_append_no_follow", "open_no_follow", "write_file_no_follow",
+    "write_text_no_follow",
 ]  # fmt: skip
