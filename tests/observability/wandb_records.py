@@ -19,6 +19,8 @@ def records(path: str) -> list:
     from wandb.proto import wandb_internal_pb2
 
     data = open(path, "rb").read()
+    if len(data) < HEADER:
+        return []  # W&B's service has created the file but not yet written its header
     assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
     out, pos, parts = [], HEADER, []
     while pos + HEADER <= len(data):
