@@ -5,7 +5,8 @@ Workloads, on the tiny local model (CPU): the shipped configs (`configs/trainers
 completions of up to 128 tokens, the `length` reward, lr 1e-6 constant after a 5% warm-up, `beta` 0 and 0.05) and the
 trainers' tests' presets (`"quick"`: lr 1e-5, 2 completions of 8 tokens, `rank_reward`; `"guarded"`: lr 1e-3, 2
 completions of 6 tokens, `count_words_reward`), and a run that learns (`-learning`: 8 completions of up to 16 tokens,
-a word-count reward, lr 1e-3 constant: the others barely move the tiny random model). Every signal is watched
+a word-count reward, lr 1e-3 constant: the others barely move the tiny random model) and the same with a sparse 0/1
+reward (`-sparse`: 1 for 6 words or more, one group per step). Every signal is watched
 (`collapse_signals` = all of them):
 
 1. clean runs of `--steps` steps, `--seeds` seeds each: every `collapse` event is a false alarm;
@@ -62,12 +63,21 @@ def word_count(completions, **kwargs) -> list[float]:
     return [float(len(str(c).split())) for c in completions]
 
 
+def six_words_or_more(completions, **kwargs) -> list[float]:
+    """A sparse 0/1 reward (like a correctness check): 1 for a completion of 6 words or more. With one group per
+    step, the step's only group is all 0 (or, once learned, all 1) now and then by chance: `reward_std` is then 0 and
+    `frac_reward_zero_std` 1 on a clean run."""
+    return [float(len(str(c).split()) >= 6) for c in completions]
+
+
 # name -> (kind, preset, config fields, reward function)
 WORKLOADS: dict[str, tuple[str, str, dict, Callable]] = {
     "grpo-shipped": ("grpo", "quick", dict(SHIPPED, beta=0.0), length),
     "rloo-shipped": ("rloo", "quick", dict(SHIPPED, beta=0.05), length),
     "grpo-learning": ("grpo", "quick", LEARNING, word_count),
     "rloo-learning": ("rloo", "quick", dict(LEARNING, bf16=False), word_count),
+    "grpo-sparse": ("grpo", "quick", LEARNING, six_words_or_more),
+    "rloo-sparse": ("rloo", "quick", dict(LEARNING, bf16=False), six_words_or_more),
     "grpo-quick": ("grpo", "quick", {}, PRESETS["quick"].reward),
     "rloo-quick": ("rloo", "quick", {}, PRESETS["quick"].reward),
     "grpo-guarded": ("grpo", "guarded", dict(save_strategy="no"), PRESETS["guarded"].reward),

@@ -6,6 +6,10 @@ times their median absolute deviation the scale (a standard deviation for normal
 The value has collapsed when it lies past the level, in the signal's direction, by more than the largest of
 `z` scales, `relative` times the level and `minimum` (an absolute change, so the tiny noisy values of a small model
 or a nearly constant metric never alarm on their own).
+
+A collapse is a streak of such values ([`needed_streak`]): at least `collapse_patience` in a row, and longer where the
+run's own recent values cross now and then by chance (a sparse 0/1 reward whose one group per step is all 0 on some
+steps), so that a streak as long comes from that chance less than once in `1 / STREAK_CHANCE` steps.
 """
 
 from __future__ import annotations
@@ -69,9 +73,21 @@ SIGNALS: tuple[Signal, ...] = (
            meaning="the mean reward falls by half its level and half a reward unit or more"),
 )
 SIGNAL_NAMES: tuple[str, ...] = tuple(signal.name for signal in SIGNALS)
-# On by default: the signals with no false alarm on any clean run measured (`docs/collapse.md`); `reward_std` and
-# `frac_reward_zero_std` alarm on a clean run with a sparse 0/1 reward and one group per step, `reward` caught nothing.
-DEFAULT_SIGNALS: tuple[str, ...] = ("entropy", "kl", "completion_length")
+# On by default: the signals with no false alarm on any clean run measured (`docs/collapse.md`), a sparse 0/1 reward
+# with one group per step included; `reward` is off: it caught none of the injected collapses.
+DEFAULT_SIGNALS: tuple[str, ...] = ("entropy", "reward_std", "frac_reward_zero_std", "kl", "completion_length")
+# The largest chance, per step, that a clean run's values cross by chance for a whole streak ([`needed_streak`]).
+STREAK_CHANCE = 1e-4
+
+
+def needed_streak(crossed: int, judged: int, patience: int) -> int:
+    """How many values past the threshold in a row make a collapse, when `crossed` of the `judged` recent values
+    before the streak lie past the same threshold: the least `n >= patience` with `rate ** n <=
+    STREAK_CHANCE`, the rate estimated as `(crossed + 1/2) / (judged + 1)` (never 0: a few values cannot prove a
+    metric never crosses). A metric that never crossed over 32 values needs `patience` (3); one that crossed on a
+    third of them needs 9."""
+    rate = (crossed + 0.5) / (judged + 1)
+    return max(patience, math.ceil(math.log(STREAK_CHANCE) / math.log(rate) - 1e-9))
 
 
 def signal(name: str) -> Signal:
@@ -85,8 +101,16 @@ def judge(window: Sequence[float], value: float, rule: Signal) -> Verdict:
     scale = MAD_TO_SIGMA * statistics.median(abs(v - level) for v in window)
     margin = max(rule.z * scale, rule.relative * abs(level), rule.minimum)
     threshold = level - margin if rule.direction == "down" else level + margin
-    crossed = value < threshold if rule.direction == "down" else value > threshold
-    return Verdict(crossed and math.isfinite(value), value, level, scale, threshold)
+    return Verdict(past(value, threshold, rule.direction), value, level, scale, threshold)
 
 
-__all__ = ["DEFAULT_SIGNALS", "SIGNALS", "SIGNAL_NAMES", "Signal", "Verdict", "judge", "signal"]
+def past(value: float, threshold: float, direction: Direction) -> bool:
+    """Whether the finite `value` lies past `threshold` in `direction`."""
+    crossed = value < threshold if direction == "down" else value > threshold
+    return crossed and math.isfinite(value)
+
+
+__all__ = [
+    "DEFAULT_SIGNALS", "SIGNALS", "SIGNAL_NAMES", "STREAK_CHANCE", "Signal", "Verdict", "judge", "needed_streak",
+    "past", "signal",
+]  # fmt: skip

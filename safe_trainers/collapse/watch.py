@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .signals import Signal, Verdict, judge, signal
+from .signals import Signal, Verdict, judge, needed_streak, past, signal
 
 logger = logging.getLogger("safe_trainers")
 
@@ -59,28 +59,39 @@ class StepMetrics:
 
 @dataclass
 class SignalState:
-    """One signal's window of in-band values and its episode bookkeeping."""
+    """One signal's window of in-band values, its recent values, and its episode bookkeeping."""
 
     rule: Signal
     window: deque = field(default_factory=deque)
-    crossed: int = 0  # consecutive values past the threshold
+    recent: deque = field(default_factory=deque)  # every recent value but a streak's in progress and an episode's
+    crossed: list = field(default_factory=list)  # the streak in progress: consecutive values past the threshold
     back: int = 0  # consecutive values within it, during an episode
     in_episode: bool = False
+    streak: int = 0  # the values in a row that started the current episode
 
     def observe(self, value: float, warmup: int, patience: int) -> Verdict | None:
         """Judge `value`; returns the verdict when it starts an episode, else `None`. A value past the threshold
-        does not enter the window, so a collapse never becomes the level it is judged against."""
+        does not enter the window, so a collapse never becomes the level it is judged against; the streak it starts
+        must be as long as [`needed_streak`] asks given how many `recent` values lie past the same threshold (the
+        values of a streak too short to be a collapse join them once it ends)."""
         if len(self.window) < warmup:
             self.window.append(value)
+            self.recent.append(value)
             return None
         verdict = judge(self.window, value, self.rule)
         if verdict.crossed:
-            self.crossed, self.back = self.crossed + 1, 0
-            if self.crossed >= patience and not self.in_episode:
-                self.in_episode = True
-                return verdict
+            self.crossed.append(value)
+            self.back = 0
+            if not self.in_episode:
+                by_chance = sum(past(v, verdict.threshold, self.rule.direction) for v in self.recent)
+                if len(self.crossed) >= needed_streak(by_chance, len(self.recent), patience):
+                    self.in_episode, self.streak = True, len(self.crossed)
+                    return verdict
             return None
-        self.crossed = 0
+        if not self.in_episode:
+            self.recent.extend(self.crossed)
+        self.recent.append(value)
+        self.crossed = []
         self.window.append(value)
         if self.in_episode:
             self.back += 1
@@ -95,7 +106,8 @@ class CollapseWatch:
         signals (`Sequence[str]`): names of [`SIGNALS`] rows to watch.
         window (`int`): how many recent in-band values each signal's level and scale cover.
         patience (`int`): values past the threshold in a row that make an episode (and within it, that end one).
-        report (`Callable`, *optional*): called with `(step, signal, verdict, window_size)` when an episode starts.
+        report (`Callable`, *optional*): called with `(step, signal, verdict, window_size, streak)` when an episode
+            starts (`streak`: the values in a row past the threshold that made it).
     """
 
     def __init__(
@@ -103,9 +115,11 @@ class CollapseWatch:
         signals: Sequence[str],
         window: int,
         patience: int,
-        report: Callable[[int, Signal, Verdict, int], None] | None = None,
+        report: Callable[[int, Signal, Verdict, int, int], None] | None = None,
     ):
-        self.states = [SignalState(signal(name), deque(maxlen=window)) for name in dict.fromkeys(signals)]
+        self.states = [
+            SignalState(signal(name), deque(maxlen=window), deque(maxlen=window)) for name in dict.fromkeys(signals)
+        ]
         self.warmup = max(2, window // 2)
         self.patience = patience
         self.report = report
@@ -124,28 +138,28 @@ class CollapseWatch:
                 started.append((state.rule.name, verdict))
                 self.episodes.append((step, state.rule.name))
                 if self.report is not None:
-                    self.report(step, state.rule, verdict, len(state.window))
+                    self.report(step, state.rule, verdict, len(state.window), state.streak)
         return started
 
 
-def collapse_detail(rule: Signal, verdict: Verdict, window: int, patience: int) -> dict[str, Any]:
-    """The `detail` of a `collapse` event."""
+def collapse_detail(rule: Signal, verdict: Verdict, window: int, patience: int, streak: int) -> dict[str, Any]:
+    """The `detail` of a `collapse` event (`streak`: the values in a row past the threshold, `patience` or more)."""
     def short(x: float) -> float:
         return float(f"{x:.6g}")
 
     return {
         "signal": rule.name, "metric": rule.key, "value": short(verdict.value), "median": short(verdict.median),
         "scale": short(verdict.scale), "threshold": short(verdict.threshold), "direction": rule.direction,
-        "window": window, "patience": patience,
+        "window": window, "patience": patience, "streak": streak,
     }  # fmt: skip
 
 
-def collapse_message(step: int, rule: Signal, verdict: Verdict, window: int, patience: int) -> str:
+def collapse_message(step: int, rule: Signal, verdict: Verdict, window: int, streak: int) -> str:
     """The warning of an episode's start."""
     side = "below" if rule.direction == "down" else "above"
     return (
         f"Collapse watch: `{rule.key}` = {verdict.value:.4g} at step {step}, {side} its threshold "
-        f"{verdict.threshold:.4g} for {patience} step(s) in a row (median of the last {window}: {verdict.median:.4g}, "
+        f"{verdict.threshold:.4g} for {streak} step(s) in a row (median of the last {window}: {verdict.median:.4g}, "
         f"scale {verdict.scale:.3g}): {rule.meaning}. Training goes on (warn-only); check the learning rate and the "
         f"reward functions, or set `collapse_signals` to leave `{rule.name}` out."
     )

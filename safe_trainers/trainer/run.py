@@ -197,10 +197,10 @@ def build_collapse_watch(trainer: Any, settings: Any, events: EventLog) -> Colla
         return None
     main, patience = trainer.is_world_process_zero(), settings.collapse_patience
 
-    def report(step: int, rule: Any, verdict: Any, window: int) -> None:
-        events.add(RunEvent(step, "collapse", [], [], collapse_detail(rule, verdict, window, patience)))
+    def report(step: int, rule: Any, verdict: Any, window: int, streak: int) -> None:
+        events.add(RunEvent(step, "collapse", [], [], collapse_detail(rule, verdict, window, patience, streak)))
         if main:
-            logger.warning(collapse_message(step, rule, verdict, window, patience))
+            logger.warning(collapse_message(step, rule, verdict, window, streak))
 
     return CollapseWatch(settings.collapse_signals, settings.collapse_window, patience, report)
 

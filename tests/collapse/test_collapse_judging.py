@@ -77,8 +77,8 @@ def test_a_series_that_collapses_is_flagged_after_patience_points(name, noise):
     feed(watch, rule.key, clean)
     feed(watch, rule.key, [collapsed] * 10, start=len(clean) + 1)
     assert watch.episodes == [(len(clean) + PATIENCE, name)]  # once, at the patience-th collapsed point
-    step, reported, verdict, window = reports[0]
-    assert reported.name == name and verdict.value == collapsed and window == WINDOW
+    step, reported, verdict, window, streak = reports[0]
+    assert reported.name == name and verdict.value == collapsed and window == WINDOW and streak == PATIENCE
 
 
 def test_an_episode_ends_when_the_signal_is_back_and_a_new_collapse_is_reported_again():
@@ -137,7 +137,9 @@ def test_step_values_are_the_new_ones_across_trls_clear_and_tensors_are_never_re
 
 def test_collapse_settings_are_validated():
     assert SafetyArguments(collapse_signals="entropy, kl").collapse_signals == ["entropy", "kl"]
-    assert SafetyArguments().collapse_signals == ["entropy", "kl", "completion_length"]
+    assert SafetyArguments().collapse_signals == [
+        "entropy", "reward_std", "frac_reward_zero_std", "kl", "completion_length",
+    ]  # fmt: skip
     with pytest.raises(ValueError, match=r"`collapse_signals` names unknown signal\(s\) \['entropie'\]"):
         SafetyArguments(collapse_signals=["entropie"])
     with pytest.raises(ValueError, match="`collapse_window` must be an integer >= 4, got 2"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 from safe_trainers.arguments import SafetyArguments
-from safe_trainers.collapse import DEFAULT_SIGNALS, SIGNAL_NAMES
+from safe_trainers.collapse import SIGNAL_NAMES
 from safe_trainers.collapse.watch import CollapseWatch, StepMetrics
 from safe_trainers.runtime.events import read_events
 from safe_trainers.testing.build import build_trainer
@@ -63,19 +63,20 @@ def six_words_or_more(completions, **kwargs):
     return [float(len(str(c).split()) >= 6) for c in completions]
 
 
-def test_a_clean_run_with_a_sparse_binary_reward_alarms_only_on_signals_off_by_default(toy_models, tmp_path):
+def test_a_clean_run_with_a_sparse_binary_reward_does_not_alarm(toy_models, tmp_path):
     """Clean GRPO, 8 completions of up to 16 tokens (one group per step), lr 1e-3, every signal watched: the step's
-    only group is all 0 by chance for a few steps now and then, which `reward_std` and `frac_reward_zero_std` take for
-    a collapse (measured in review, 150 steps, seed 0: episodes at steps 22 and 71). That false alarm is why they are
-    off by default; no default signal may alarm here."""
+    only group is all 0 by chance on many steps (`reward_std` 0, `frac_reward_zero_std` 1), in runs of up to 5 here,
+    which patience alone (3) took for a collapse (found in review: episodes at steps 22 and 71 of 150). The streak a
+    collapse needs grows with how often the run's own recent values cross (`needed_streak`): no episode."""
     trainer = build_trainer(
         "grpo", toy_models["qwen2"], tmp_path, max_steps=30, seed=0, num_generations=8, per_device_train_batch_size=8,
         max_completion_length=16, learning_rate=1e-3, lr_scheduler_type="constant", collapse_signals=list(SIGNAL_NAMES),
-        trainer_kwargs={"reward_funcs": six_words_or_more},
+        logging_steps=1, trainer_kwargs={"reward_funcs": six_words_or_more},
     )  # fmt: skip
     trainer.train()
-    fired = {e["signal"] for e in read_events(str(tmp_path)) if e["kind"] == "collapse"}
-    assert fired <= {"reward_std", "frac_reward_zero_std"} and not fired & set(DEFAULT_SIGNALS), fired
+    zero_std = "".join("0" if log.get("reward_std") == 0 else "1" for log in trainer.state.log_history[:-1])
+    assert max(len(run) for run in zero_std.split("1")) > 3  # the chance streaks are there
+    assert [e for e in read_events(str(tmp_path)) if e["kind"] == "collapse"] == []
 
 
 def test_a_generation_spanning_two_steps_is_judged_once_at_the_step_that_generated(toy_models, tmp_path):
