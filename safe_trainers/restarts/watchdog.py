@@ -26,7 +26,8 @@ the other ranks compile the same graphs, and a rank that finished first waits fo
 collective; a rank past its bound waits as long for the other ranks' compilations (see `compile_peers.py`).
 
 A step past the bound makes the rank write the Python stacks of all its threads to
-`output_dir/hang-stacks-rank<r>.txt` (appended, one block per hang), log an error and record a `hang` event; then,
+`output_dir/hang-stacks-rank<r>.txt` (appended, one block per hang), log an error and record a `hang` event (another
+rank's reaches the main process's event log on the guard's all-reduce, if its process goes on: `hang_relay.py`); then,
 under torchrun's elastic agent with restarts to give (or with `hang_action="exit"`), it ends with
 `os._exit(HUNG_EXIT_CODE)`; elsewhere the process goes on (see `hang_report.py`). The other ranks, blocked in a
 collective that waits for it, pass the bound too and do the same; the agent then restarts the workers, which resume

@@ -42,8 +42,9 @@ class RunEvent:
             (a preemption signal: which ranks received it, and the step of the checkpoint published before exiting),
             `"spike"` (the step's loss or gradient norm spiked far above the recent steps': its update was skipped),
             `"hang"` (a step ran past the hang bound: the seconds, the bound, the stacks file, whether the process
-            exited), `"snapshot_interval"` (the guard chose how many steps apart its snapshots are, from the measured
-            `snapshot_seconds` and `step_seconds`, the `budget` and the bounds: not a fault),
+            exited; `relayed_from`: the rank whose watchdog saw it, when that is not the main process,
+            `restarts/hang_relay.py`), `"snapshot_interval"` (the guard chose how many steps apart its snapshots
+            are, from the measured `snapshot_seconds` and `step_seconds`, the `budget` and the bounds: not a fault),
             `"shard_missing"` (a rollback found a rank without its shard of the host snapshot, which DDP
             ranks share out: it loads the newest verified checkpoint instead), `"collapse"` (GRPO/RLOO: a metric TRL
             computes, e.g. the entropy or the rewards' spread, crossed its threshold against the run's recent steps

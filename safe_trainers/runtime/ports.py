@@ -5,8 +5,9 @@ one needs the other, it names a protocol here and the integration layer (`traine
 
 * [`StepClock`]: what times a step (the hang watchdog, `restarts/watchdog.py`); the guard pauses it around work that
   is not part of a step (a snapshot, a restore) and arms it around a collective every rank must reach.
-* [`FlagRider`]: a bit that rides on the guard's per-step all-reduce (the preemption request,
-  `restarts/preemption.py`), so the ranks agree on it with no collective of its own.
+* [`FlagRider`]: a bit (the preemption request, `restarts/preemption.py`) or a small vector (the hangs each rank's
+  watchdog reported, `restarts/hang_relay.py`) that rides on the guard's per-step all-reduce, so the ranks agree on
+  it with no collective of its own.
 
 The run's event log, the third shared piece, is [`EventLog`] (`events.py`).
 """
@@ -30,13 +31,15 @@ class StepClock(Protocol):
 
 
 class FlagRider(Protocol):
-    """A flag OR-ed across ranks on the guard's per-step all-reduce."""
+    """A flag OR-ed, or a vector max-reduced, across ranks on the guard's per-step all-reduce."""
 
     def local_bit(self, device: Any) -> torch.Tensor | None:
-        """This rank's bit for the step closing now, on `device` (`None`: nothing rides this step)."""
+        """This rank's value for the step closing now, on `device`: a 0-d bool tensor (a bit) or a 1-D tensor of
+        values of the same length on every rank (`None`: nothing rides this step)."""
 
     def agreed(self, step: int, bit: torch.Tensor) -> None:
-        """The bit of step `step` as agreed across ranks (a device tensor: read it later, not now)."""
+        """The value of step `step` as agreed across ranks (a device tensor: read it later, not now): a bit comes
+        back as a 0-d bool tensor (any rank's bit set), a vector as float32 values (each the maximum over ranks)."""
 
 
 class _Unwatched:

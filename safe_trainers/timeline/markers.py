@@ -87,6 +87,7 @@ DETAILS: tuple[tuple[str, str], ...] = (
     ("checkpoint", "from {}"),
     ("signal", "signal {}"),
     ("seconds", "{} s"),
+    ("relayed_from", "on rank {}"),  # a hang another rank's watchdog saw (`restarts/hang_relay.py`)
     ("metric", "`{}`"),
     ("value", "value {}"),
     ("threshold", "threshold {}"),

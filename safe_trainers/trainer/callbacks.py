@@ -9,6 +9,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..restarts.compile_watch import CompileWatch
+from ..restarts.hang_relay import HangRelay
 from ..restarts.preemption import Preemption
 from ..restarts.step_progress import StepProgress
 from ..restarts.watchdog import HangWatchdog
@@ -109,15 +110,23 @@ class StepProgressCallback(TrainerCallback):
 
 
 class HangWatchdogCallback(TrainerCallback):
-    """Times each optimizer step with the [`HangWatchdog`]."""
+    """Times each optimizer step with the [`HangWatchdog`], and under several ranks reads back the hangs the other
+    ranks' watchdogs reported ([`HangRelay`]).
+
+    Args:
+        watchdog ([`HangWatchdog`]): this rank's watchdog.
+        relay ([`HangRelay`], *optional*): the relay of the hangs (several ranks).
+    """
 
     priority = 10  # see `run.py`: after the guard, whose inspection is timed with the step
     leaves_state_alone = True  # see `read_only.py`
 
-    def __init__(self, watchdog: HangWatchdog):
-        self.watchdog = watchdog
+    def __init__(self, watchdog: HangWatchdog, relay: HangRelay | None = None):
+        self.watchdog, self.relay = watchdog, relay
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
+        if self.relay is not None:
+            self.relay.train_began()
         self.watchdog.train_began(state.is_world_process_zero)
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
@@ -125,9 +134,13 @@ class HangWatchdogCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self.watchdog.step_ended()
+        if self.relay is not None:
+            self.relay.step_ended(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.watchdog.stop()
+        if self.relay is not None:  # after the watchdog stopped: no hang is reported after this
+            self.relay.train_ended()
 
 
 class CompileWatchCallback(TrainerCallback):

@@ -13,7 +13,7 @@ first (each callback declares its own):
   back, so a death there is never blamed on the step's data;
 * 20 [`NanGuardCallback`]: the state is verified before anything after it reads or saves it;
 * 10 [`HangWatchdogCallback`]: its `on_step_end` comes after the guard's inspection, so the inspection's collectives are
-  timed with the step;
+  timed with the step; under several ranks it also reads back the hangs relayed from the other ranks (`hang_relay.py`);
 * 5 [`EventReportCallback`] (`reporting.py`, when `report_to` names TensorBoard or W&B): after the guard's and the
   watchdog's, whose train-end events it reports; it finds the integrations' writers once they opened them;
 * 0 [`CompileWatchCallback`]: anywhere; the compile watch tells the step record and the watchdog when torch compiles;
@@ -41,6 +41,7 @@ from ..restarts.background_save import BackgroundSaves
 from ..restarts.checkpoint_choice import checker
 from ..restarts.compile_watch import CompileWatch
 from ..restarts.deadline import Deadline, job_end_time
+from ..restarts.hang_relay import HangRelay
 from ..restarts.hang_report import hang_exits
 from ..restarts.output_lock import OutputDirLock
 from ..restarts.preemption import Preemption, parse_signals
@@ -113,6 +114,8 @@ class SafeRun:
         output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
         saves ([`BackgroundSaves`], *optional*): the checkpoint writer thread, with `save_in_background=True`.
         writers ([`WritersDone`], *optional*): when every rank's writer is done, agreed on the guard's all-reduce.
+        hang_relay ([`HangRelay`], *optional*): under several ranks with the watchdog on, carries each rank's reported
+            hangs to the main process's event log on the guard's all-reduce.
         collapse ([`CollapseWatch`], *optional*): GRPO/RLOO with `collapse_signals`: the warn-only collapse watch.
         reporter ([`EventReporter`], *optional*): hands the events to TensorBoard and W&B, when `report_to` names
             them (`reporting.py`).
@@ -136,6 +139,7 @@ class SafeRun:
     writers: WritersDone | None = None
     collapse: CollapseWatch | None = None
     reporter: EventReporter | None = None
+    hang_relay: HangRelay | None = None
 
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
@@ -156,11 +160,14 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     deadline = Deadline(*end, settings.job_end_slack, held) if end is not None else None
     run.preemption = Preemption(events, signals, deadline) if signals or deadline else None
     if settings.hang_timeout > 0:
+        if args.world_size > 1:  # another rank's hang reaches the main process's event log (`hang_relay.py`)
+            main = trainer.is_world_process_zero()
+            run.hang_relay = HangRelay(events, args.output_dir, args.process_index, args.world_size, main)
         run.watchdog = HangWatchdog(
             args.output_dir, args.process_index, settings.hang_timeout, settings.hang_timeout_factor,
             attempt=restart_count(os.environ), learn_after=generation_period(args),
             exits=hang_exits(settings.hang_action, os.environ), action=settings.hang_action,
-            on_hang=lambda step, detail: events.add(RunEvent(step, "hang", [], [args.process_index], detail)),
+            on_hang=partial(record_hang, events, run.hang_relay, args.process_index),
         )  # fmt: skip
     clock = run.watchdog if run.watchdog is not None else UNWATCHED
     run.port = TrainerPort()
@@ -168,7 +175,8 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
         run.saves = BackgroundSaves(checker(settings.trusted_checkpoint_globals), partial(published_by_writer, run))
         run.writers = WritersDone(run.saves)
     # Bits that ride on the guard's per-step all-reduce; a single process reads its flags directly.
-    riders = tuple(r for r in (run.preemption, run.writers) if r is not None) if args.world_size > 1 else ()
+    riders = (run.preemption, run.writers, run.hang_relay) if args.world_size > 1 else ()
+    riders = tuple(rider for rider in riders if rider is not None)
     run.guard = NanGuard(settings, args, run.port, events, clock=clock, riders=riders)
     main, leave_out = trainer.is_world_process_zero(), can_leave_out_a_step(trainer)
     run.progress = StepProgress(events, args.output_dir, main, can_leave_out=leave_out)
@@ -178,7 +186,7 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     if run.preemption is not None:
         callbacks.append(PreemptionCallback(run.preemption))
     if run.watchdog is not None:
-        callbacks.append(HangWatchdogCallback(run.watchdog))
+        callbacks.append(HangWatchdogCallback(run.watchdog, run.hang_relay))
     run.collapse = build_collapse_watch(trainer, settings, events)
     if run.collapse is not None:
         callbacks.append(CollapseCallback(trainer, run.collapse))
@@ -203,6 +211,16 @@ def build_collapse_watch(trainer: Any, settings: Any, events: EventLog) -> Colla
             logger.warning(collapse_message(step, rule, verdict, window, streak))
 
     return CollapseWatch(settings.collapse_signals, settings.collapse_window, patience, report)
+
+
+def record_hang(events: EventLog, relay: HangRelay | None, rank: int, step: int, detail: dict[str, Any]) -> None:
+    """The watchdog of rank `rank` reported a hang (on its thread): this rank's `hang` event, and, under several
+    ranks, the relay to the main process's event log (`hang_relay.py`)."""
+    try:
+        events.add(RunEvent(step, "hang", [], [rank], detail))
+    finally:
+        if relay is not None:
+            relay.reported(step, detail)
 
 
 def published_by_writer(run: SafeRun, run_dir: str, step: int) -> None:

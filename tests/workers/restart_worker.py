@@ -8,7 +8,9 @@ the attempts listed (`0,2`, or `1-` for 1 and every later one; the attempt is to
 or all. `--preempt` sends the process a SIGTERM there instead (a preemption: training goes on), `--hang` sleeps
 there forever (a hang, for the watchdog; `--hang_timeout` sets its ceiling, `--hang_action` what a hang does), and
 `--pause` writes `DIR/paused-rank<r>` there and waits until `DIR/go` exists (a run caught mid-training, for a second
-run to meet).
+run to meet). `--slow STEP:SECONDS[:RANK]` sleeps SECONDS there once, in attempt 0 (a step that hangs, then goes on);
+`--hang_timeout_on RANK:SECONDS` gives one rank a ceiling of its own (only that rank's watchdog sees the step as
+hung); `--report_to` names the reporting integrations (`"none"` by default).
 Each rank appends to `DIR/stream-rank<r>.jsonl`, one line per micro-batch, before anything else happens to
 it: `delivered` when the dataloader hands it to `training_step`, `fed` when it reaches the model. The attempt that
 finishes writes `DIR/result-rank<r>.json`, with `expected`: the fingerprints of the micro-batches an uninterrupted
@@ -60,7 +62,10 @@ def parse(argv=None):
     parser.add_argument("--preempt", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (SIGTERM to itself)")
     parser.add_argument("--hang", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (sleeps forever)")
     parser.add_argument("--pause", action="append", default=[], help="STEP:ATTEMPTS[:RANK] (waits for DIR/go)")
+    parser.add_argument("--slow", action="append", default=[], help="STEP:SECONDS[:RANK] (sleeps once, attempt 0)")
     parser.add_argument("--hang_timeout", type=float, default=900.0)
+    parser.add_argument("--hang_timeout_on", default="", help="RANK:SECONDS (this rank's `hang_timeout`)")
+    parser.add_argument("--report_to", action="append", default=[])
     parser.add_argument("--hang_action", default="auto")
     parser.add_argument("--save_on_each_node", action="store_true")
     parser.add_argument(
@@ -116,6 +121,7 @@ class KillingDPOTrainer(trainer_class("dpo")):
     signal_steps: set[int] = set()
     hang_steps: set[int] = set()
     pause_steps: set[int] = set()
+    slow_steps: dict[int, float] = {}
 
     def _log(self, event: str, inputs) -> None:
         step = self.state.global_step + 1
@@ -154,6 +160,8 @@ class KillingDPOTrainer(trainer_class("dpo")):
                 open(os.path.join(out, f"paused-rank{self.args.process_index}"), "w").close()
                 while not os.path.exists(os.path.join(out, "go")):
                     time.sleep(0.05)
+            if step in self.slow_steps:
+                time.sleep(self.slow_steps.pop(step))  # once (the micro-batches of the step go on)
             if step in self.hang_steps:
                 while True:
                     time.sleep(3600)
@@ -232,6 +240,13 @@ def main(argv=None) -> int:
     KillingDPOTrainer.signal_steps = {s for s in (kills_at(spec, rank) for spec in ns.preempt) if s is not None}
     KillingDPOTrainer.hang_steps = {s for s in (kills_at(spec, rank) for spec in ns.hang) if s is not None}
     KillingDPOTrainer.pause_steps = {s for s in (kills_at(spec, rank) for spec in ns.pause) if s is not None}
+    for spec in ns.slow:
+        step, seconds, *on = spec.split(":")
+        if ATTEMPT == 0 and (not on or int(on[0]) == rank):
+            KillingDPOTrainer.slow_steps[int(step)] = float(seconds)
+    hang_timeout = ns.hang_timeout
+    if ns.hang_timeout_on and int(ns.hang_timeout_on.split(":")[0]) == rank:
+        hang_timeout = float(ns.hang_timeout_on.split(":")[1])
     faults = [fault_from(spec) for spec in ns.fault]
     spikes = {}
     if ns.spike:
@@ -253,9 +268,10 @@ def main(argv=None) -> int:
             save_total_limit=ns.save_total_limit,
             nan_rollback_from=ns.rollback_from,
             learning_rate=ns.learning_rate,
-            hang_timeout=ns.hang_timeout,
+            hang_timeout=hang_timeout,
             hang_action=ns.hang_action,
             save_on_each_node=ns.save_on_each_node,
+            report_to=ns.report_to or "none",
             job_end_time=time.time() - 1 if ns.job_ended and in_attempts(ns.job_ended) else None,
             **spikes,
             **(dict(push_to_hub=True, hub_strategy="every_save", hub_model_id="local/test") if ns.push else {}),

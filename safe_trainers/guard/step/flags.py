@@ -85,8 +85,9 @@ class StepFlags:
         the spike detector, keep the record, and return the device skip flag (a fault or a spike).
         `optimizer_skipped`: DeepSpeed already skipped this step. `dropped`: every rank left this step's batches
         untrained (a poisoned step): a fault, whatever the scaler. `riders`: flags that ride on the same all-reduce
-        (the preemption bit, `restarts/preemption.py`; the checkpoint writers' bit, `restarts/writers_done.py`): each
-        one's `local_bit(device)` is OR-ed across ranks and handed back, on the device, to its `agreed(step, bit)`."""
+        (the preemption bit, `restarts/preemption.py`; the checkpoint writers' bit, `restarts/writers_done.py`; the
+        hangs' values, `restarts/hang_relay.py`): each one's `local_bit(device)`, a bit or a vector, is reduced across
+        ranks and handed back, on the device, to its `agreed(step, value)` ([`hand_back`])."""
         local = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         norm = (
             grad_norm
@@ -101,10 +102,9 @@ class StepFlags:
         judged_loss = torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0)  # a non-finite loss is a fault
         riding = [(rider, bit) for rider in riders if (bit := rider.local_bit(local.device)) is not None]
         values = [local, norm_bad, judged_loss] + [bit for _, bit in riding]
-        # [any rank's loss non-finite, gradient non-finite, the largest rank's loss, (the riders' flags)]
-        agreed = max_across_ranks(torch.stack([v.float() for v in values]))
-        for index, (rider, _) in enumerate(riding, start=3):
-            rider.agreed(step, agreed[index] > 0)
+        # [any rank's loss non-finite, gradient non-finite, the largest rank's loss, (the riders' flags and values)]
+        agreed = max_across_ranks(torch.cat([v.float().reshape(-1) for v in values]))
+        hand_back(step, riding, agreed, start=3)
         loss_bad_any, norm_bad_any = agreed[0] > 0, agreed[1] > 0
         if self.loss_scaled:
             fault, overflow = loss_bad_any, norm_bad_any & ~loss_bad_any
@@ -160,6 +160,20 @@ class StepFlags:
         self._loss_bad = self._loss_sum = None
 
 
+def hand_back(step: int, riding: Sequence[tuple[Any, torch.Tensor]], agreed: torch.Tensor, start: int) -> None:
+    """Hand each rider of `riding` (`(rider, its local value)`, in the order they were appended to the all-reduce
+    from element `start` of `agreed`) its agreed value: a 0-d bit as a bool tensor (the OR over ranks), a vector as
+    the float32 slice of its elements (the maximum over ranks). Device tensors: nothing is read here."""
+    index = start
+    for rider, local in riding:
+        if local.dim() == 0:
+            rider.agreed(step, agreed[index] > 0)
+            index += 1
+        else:
+            rider.agreed(step, agreed[index : index + local.numel()])
+            index += local.numel()
+
+
 def loss_scale(backend: Any) -> float | None:
     """The fp16 loss scaler's current scale (a host read; only at an inspection that found overflows): DeepSpeed's
     ZeRO optimizer's, or the `GradScaler` of [`Backend`] `backend`."""
@@ -173,4 +187,4 @@ def loss_scale(backend: Any) -> float | None:
     return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
 
-__all__ = ["PendingStep", "StepFlags", "loss_scale"]
+__all__ = ["PendingStep", "StepFlags", "hand_back", "loss_scale"]

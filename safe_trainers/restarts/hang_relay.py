@@ -1,0 +1,183 @@
+"""Hangs seen on one rank reach the run's event log: the watchdog's reports ride on the guard's per-step all-reduce.
+
+Each rank's hang watchdog (`watchdog.py`) is its own: a step of rank 1 that ran past its bound and then went on
+(`hang_action="report"`, or `"auto"` with nothing to restart the process) is in rank 1's log line and stacks file, but
+the event log (`nan_events.jsonl`), the timeline and the reporting to TensorBoard and W&B are the main process's. The
+[`HangRelay`] carries it there with no collective of its own and no host synchronisation:
+
+1. The watchdog's thread hands the hang to [`HangRelay.reported`] (a host queue).
+2. At the end of the next step, the oldest hang not relayed yet rides on the guard's all-reduce (a [`FlagRider`] that
+   hands in a vector, `runtime/ports.py`): `SLOT` values per rank, this rank's slot filled ([`hang_slots`]: the
+   hang's step + 1, its seconds and its bound), every other slot 0; the all-reduce's maximum is every rank's slot.
+3. Each rank reads the agreed values of step `s` at the end of step `s + READ_LAG`, as the preemption bits
+   (`AgreedBits`: on a GPU, copied to pinned host memory behind an event, long complete by then), and the main
+   process adds a `hang` event for each other rank whose slot is set ([`relayed_hangs`]): at the hang's step, with
+   `ranks=[r]`, the seconds, the bound, that rank's stacks file and `relayed_from=r`. Its own hangs are in the log
+   already (the watchdog adds them).
+4. At the end of training (the watchdog stopped) the hangs not relayed yet, and the agreed values not read yet, are
+   read with one more all-reduce per `train()` call ([`HangRelay.train_ended`]).
+
+A hang that never ends is not relayed: its rank reaches no all-reduce again (it is stuck, or it exited with status
+124). The other ranks then wait for it in a collective, and their own watchdogs report their own stalled steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ..runtime.collectives import distributed, max_across_ranks
+from ..runtime.events import EventLog, RunEvent
+from ..runtime.host_buffers import queue_host_copy
+from .hang_report import stacks_path
+from .preemption import READ_LAG
+
+SLOT = 3  # values per rank: the hang's step + 1 (0: no hang), its seconds, its bound
+
+
+class Hang(NamedTuple):
+    """A hang reported by one rank's watchdog: its `step`, the `seconds` the step had run, the `bound` it passed."""
+
+    step: int
+    seconds: float
+    bound: float
+
+
+def hang_slots(rank: int, world_size: int, hang: Hang | None) -> list[float]:
+    """The values rank `rank` hands to the all-reduce: its slot holds `hang` (`None`: nothing to relay), the other
+    ranks' slots are 0, so the maximum over ranks is every rank's slot."""
+    values = [0.0] * (SLOT * world_size)
+    if hang is not None:
+        values[SLOT * rank : SLOT * (rank + 1)] = [float(hang.step + 1), float(hang.seconds), float(hang.bound)]
+    return values
+
+
+def relayed_hangs(values: Sequence[float], own_rank: int) -> list[tuple[int, Hang]]:
+    """The hangs of the other ranks in the agreed `values` ([`hang_slots`], maximum over ranks), as `(rank, hang)`
+    in rank order; `own_rank`'s slot is left out (its hang is in its own event log already)."""
+    out = []
+    for rank in range(len(values) // SLOT):
+        step, seconds, bound = values[SLOT * rank : SLOT * (rank + 1)]
+        if step > 0 and rank != own_rank:
+            out.append((rank, Hang(int(round(step)) - 1, round(float(seconds), 1), round(float(bound), 1))))
+    return out
+
+
+def hang_event(rank: int, hang: Hang, output_dir: str) -> RunEvent:
+    """The `hang` event the main process records for a hang relayed from rank `rank` (it went on: not exited)."""
+    detail = {
+        "seconds": hang.seconds, "bound": hang.bound, "stacks": stacks_path(output_dir, rank), "exited": False,
+        "relayed_from": rank,
+    }  # fmt: skip
+    return RunEvent(hang.step, "hang", [], [rank], detail)
+
+
+class HangRelay:
+    """Carries each rank's reported hangs to the main process's event log (a [`FlagRider`]; the module docstring).
+
+    Args:
+        events ([`EventLog`]): the run's event log.
+        output_dir (`str`): where each rank writes its stacks (named in the relayed event).
+        rank (`int`): this process's global rank.
+        world_size (`int`): the number of ranks.
+        main (`bool`): this is the main process (the one that records the relayed hangs).
+    """
+
+    def __init__(self, events: EventLog, output_dir: str, rank: int, world_size: int, main: bool):
+        self.events, self.output_dir, self.rank, self.world_size, self.main = events, output_dir, rank, world_size, main
+        self.device: torch.device | None = None
+        self.local: torch.Tensor | None = None
+        self._set = False  # `local` holds a hang (else zeros)
+        self._lock = threading.Lock()  # `reported` comes from the watchdog's thread
+        self._queued: deque[Hang] = deque()
+        self._agreed: deque[tuple[int, torch.Tensor, Any]] = deque()
+
+    # ------------------------------------------------------------------ the watchdog's thread
+    def reported(self, step: int, detail: dict[str, Any]) -> None:
+        """This rank's watchdog reported a hang (its `on_hang`; `detail`: the `hang` event's): relay it."""
+        with self._lock:
+            self._queued.append(Hang(step, float(detail.get("seconds", 0.0)), float(detail.get("bound", 0.0))))
+
+    def _take(self) -> Hang | None:
+        with self._lock:
+            return self._queued.popleft() if self._queued else None
+
+    # ------------------------------------------------------------------ the rider (the guard's `end_step`)
+    def train_began(self) -> None:
+        """A `train()` call begins: its steps are counted afresh; a hang of an earlier call is not relayed now."""
+        with self._lock:
+            self._queued.clear()
+        self._agreed.clear()
+
+    def local_bit(self, device: Any) -> torch.Tensor | None:
+        """This rank's values for the step closing now (changed with `fill_`, only when they change: no transfer).
+        The relay is built under several ranks only (`trainer/run.py`)."""
+        if self.local is None:
+            self.device = torch.device(device)
+            self.local = torch.zeros(SLOT * self.world_size, device=self.device)
+        hang = self._take()
+        if self._set:
+            self.local.zero_()
+            self._set = False
+        if hang is not None:
+            start = SLOT * self.rank
+            for index, value in enumerate(hang_slots(self.rank, self.world_size, hang)[start : start + SLOT]):
+                self.local[start + index].fill_(value)
+            self._set = True
+        return self.local
+
+    def agreed(self, step: int, values: torch.Tensor) -> None:
+        """Keep step `step`'s agreed values: on CUDA, copied to pinned host memory behind an event; elsewhere as is."""
+        if values.is_cuda:
+            host = queue_host_copy(torch.empty(values.shape, dtype=values.dtype, pin_memory=True), values)
+            event = torch.cuda.Event()
+            event.record()
+            self._agreed.append((step, host, event))
+        else:
+            self._agreed.append((step, values, None))
+
+    # ------------------------------------------------------------------ reading back (the training loop)
+    def step_ended(self, step: int) -> None:
+        """Step `step` ended: read the agreed values of the steps up to `step - READ_LAG` and record the hangs."""
+        self._record(self._read_through(step - READ_LAG))
+
+    def train_ended(self) -> None:
+        """Training ended (the watchdog stopped; every rank, at the same point): the agreed values not read yet, and
+        the hangs reported after the last step's all-reduce, one more all-reduce for each (the last says whether any
+        rank has more)."""
+        self._record(self._read_through(None))
+        if self.device is None or not distributed():
+            return  # no step ran here: nor on any rank (each rank's steps close the same all-reduces)
+        while True:
+            with self._lock:
+                hang = self._queued.popleft() if self._queued else None
+                more = bool(self._queued)
+            values = hang_slots(self.rank, self.world_size, hang) + [float(more)]
+            agreed = max_across_ranks(torch.tensor(values, device=self.device)).cpu().tolist()
+            self._record([agreed[:-1]])
+            if not agreed[-1]:
+                return
+
+    def _read_through(self, step: int | None) -> list[list[float]]:
+        out = []
+        while self._agreed and (step is None or self._agreed[0][0] <= step):
+            _, values, event = self._agreed.popleft()
+            if event is not None:
+                event.synchronize()  # on work queued a step ago (or more): long complete
+            if self.main:  # the other ranks record nothing
+                out.append(values.tolist())
+        return out
+
+    def _record(self, rows: list[list[float]]) -> None:
+        if not self.main:
+            return
+        for row in rows:
+            for rank, hang in relayed_hangs(row, self.rank):
+                self.events.add(hang_event(rank, hang, self.output_dir))
+
+
+__all__ = ["SLOT", "Hang", "HangRelay", "hang_event", "hang_slots", "relayed_hangs"]
