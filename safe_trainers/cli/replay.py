@@ -2,7 +2,9 @@
 the CPU from the checkpoint before it and print the first non-finite module and rows, beside the in-loop diagnosis
 (docs/replay.md). Exit status: 0 when the replay ran (and agrees, or there is nothing to compare), 1 when it
 disagrees with the in-loop diagnosis, 2 when there is nothing to replay (no bundle, no checkpoint before the step, or
-one without loadable weights)."""
+one without loadable weights), 3 when the bundle holds no micro-batch to replay forward (a rollback the check of the
+state found with no faulted step): its non-finite entries are written over the checkpoint and listed, no forward
+runs."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import argparse
 import os
 import sys
 import warnings
+
+NO_FORWARD = 3  # the exit status of a replay of a bundle without micro-batches (docs/replay.md)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +55,8 @@ def run(ns: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         result = replay(os.path.abspath(ns.output_dir), ns.step, checkpoint)
     print("\n".join(report_lines(result)))
+    if not result.forward:
+        return NO_FORWARD
     return 1 if agreement(result.found, result.meta.get("in_loop_diagnosis")) is False else 0
 
 

@@ -15,7 +15,7 @@ from ..runtime.events import EVENTS_FILE, RunEvent, read_events
 from .backends import Backend, backend_problem, unwrap_optimizer
 from .diagnosis import localize
 from .nan_guard import NanGuard
-from .policy import StepReading, Verdict
+from .policy import StepReading, Verdict, state_check_step
 from .port import Decision, EndRestore, GuardPort, Judged
 from .records import discarded_updates, record_rewards, refuse_save
 from .rollback.actions import Restored
@@ -28,5 +28,5 @@ __all__ = [
     "EVENTS_FILE", "GUARD_STATE_FILE", "Backend", "Decision", "EndRestore", "GuardPort", "GuardState", "Judged",
     "NanEvent", "NanGuard", "Restored", "RunEvent", "StepReading", "Verdict", "backend_problem", "discarded_updates",
     "kept_hyperparameters", "localize", "read_events", "record_rewards", "refuse_save", "rollback_source",
-    "unwrap_optimizer",
+    "state_check_step", "unwrap_optimizer",
 ]  # fmt: skip

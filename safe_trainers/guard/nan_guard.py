@@ -25,9 +25,9 @@ from ..runtime.events import EventLog
 from ..runtime.finite import all_finite
 from ..runtime.ports import UNWATCHED, FlagRider, StepClock
 from .backends import Backend, state_bytes, state_tensors, unwrap_optimizer
+from .bundles import bundles_for
 from .diagnosis import RecentBatches
 from .policy import (
-    bundled_steps,
     can_roll_back,
     diagnosed_step,
     inspection_due,
@@ -177,7 +177,7 @@ class NanGuard:
         limit = self.settings.nan_max_consecutive_skips
         verdict = judge_window(records, self._consecutive, limit, self.deepspeed, state_finite)
         self._consecutive = verdict.consecutive
-        judged = Judged(records, verdict, state_finite, snapshot=snapshot)
+        judged = Judged(records, verdict, state_finite, snapshot=snapshot, step=self.port.state.global_step)
         # One diagnosis per run; with replay bundles, one per inspection that finds a fault (its bundle carries it).
         diagnosed = diagnosed_step(verdict) if not self.state.localized or self.bundles_on else None
         batches = self.batches.get(diagnosed)
@@ -185,7 +185,7 @@ class NanGuard:
             self.state.localized = True
             judged.replay, judged.replay_step = batches, diagnosed
         if self.bundles_on:
-            judged.bundles, judged.dropped = self.batches.bundles(bundled_steps(verdict))
+            judged.bundles, judged.dropped = bundles_for(judged, self.batches)
         return judged
 
     def settle(self, judged: Judged, diagnosis: dict[str, Any] | None = None) -> Decision:

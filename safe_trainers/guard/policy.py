@@ -147,6 +147,14 @@ def bundled_steps(verdict: Verdict) -> list[int]:
     return sorted(steps)
 
 
+def state_check_step(verdict: Verdict, at_step: int) -> int | None:
+    """The step of a rollback that a check of the state found with no faulted step in its window (GRPO/RLOO's check
+    before a generation: the weights or optimizer state damaged after the last inspection, no step's loss or gradient
+    non-finite): `at_step`, the step it was found at, which its `rollback` event and replay bundle are numbered by;
+    `None` for any other verdict. Which step damaged the state is unknown."""
+    return at_step if verdict.rollback == "nonfinite_state" and verdict.fault_step is None else None
+
+
 def unexplained_overflows(records: list[StepReading], loss_scale: float | None) -> list[StepReading]:
     """Overflow records the loss scaler cannot explain become faults: once its scale has backed off to 1 or less it no
     longer scales anything, so a non-finite gradient is the gradient's own, however often the scaler skips it."""

@@ -54,6 +54,8 @@ class Judged:
         bundles (`dict[int, list]`): the micro-batches of each faulted step to write as a replay bundle (empty: none,
             or `nan_replay_max_bytes=0`), written by the caller before anything is restored.
         dropped (`set[int]`): the steps among them that were poisoned (batches as the dataloader gave them).
+        step (`int`, *optional*): the step (`global_step`) the inspection ran at: a rollback found by the check of
+            the state alone, with no faulted step, is numbered by it (`policy.state_check_step`).
     """
 
     records: list[StepReading]
@@ -64,6 +66,7 @@ class Judged:
     snapshot: bool = False
     bundles: dict[int, list[Any]] = field(default_factory=dict)
     dropped: set[int] = field(default_factory=set)
+    step: int | None = None
 
 
 @dataclass

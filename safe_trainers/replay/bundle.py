@@ -103,8 +103,9 @@ def write_bundle(output_dir: str, step: int, rank: int, payload: dict[str, Any],
 
 def read_bundle(output_dir: str, step: int, rank: int | None = None) -> tuple[dict, dict, dict[str, Any]]:
     """`(meta, args, payload)` of step `step`'s bundle; the payload of `rank`, by default the rank where the in-loop
-    diagnosis found the module, else the first rank the meta lists whose loss was non-finite, else the lowest
-    written. Tensors are loaded with torch's safe unpickler."""
+    diagnosis found the module, else the first rank the meta lists whose loss was non-finite, else (a state found
+    damaged by the check alone) the first whose state was, else the lowest written. Tensors are loaded with torch's
+    safe unpickler."""
     directory = bundle_dir(output_dir, step)
     with open(os.path.join(directory, META_FILE), encoding="utf-8") as f:
         meta = json.load(f)
@@ -114,6 +115,7 @@ def read_bundle(output_dir: str, step: int, rank: int | None = None) -> tuple[di
     if rank is None:
         found_on = (meta.get("in_loop_diagnosis") or {}).get("rank")
         preferred = ([found_on] if found_on is not None else []) + list(meta.get("ranks", []))
+        preferred += list(meta.get("damaged_ranks", []))  # a state found damaged by the check alone: where it was
         rank = next((r for r in preferred if r in written), written[0] if written else 0)
     payload = torch.load(os.path.join(directory, rank_file(rank)), weights_only=True, map_location="cpu")
     return meta, args, payload

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -45,8 +46,14 @@ def report_lines(result: Replayed) -> list[str]:
         faults = ", ".join(_fault(f) for f in result.rearmed)
         lines.append(f"re-armed test faults: {faults} (the run's FaultInjector, a test tool, fired them at this "
                      "step; not a fault of the model or the data)")  # fmt: skip
+    if not result.forward:
+        lines += [entry_line(name, entry) for name, entry in sorted(result.state.items())]
     for fault in result.not_rearmed:
-        lines.append(f"test fault not re-armed: {_fault(fault)} ({_why_not(fault['kind'])})")
+        why = _why_not(fault["kind"]) if result.forward else "no forward runs: nothing to re-arm it for"
+        lines.append(f"test fault not re-armed: {_fault(fault)} ({why})")
+    if not result.forward:
+        lines.append(f"nothing to replay forward: {result.found.get('reason')}")
+        return lines
     lines.append(f"replay:  first non-finite module: {where(result.found)}")
     in_loop = meta.get("in_loop_diagnosis")
     lines.append(f"in-loop: first non-finite module: {where(in_loop)}")
@@ -54,6 +61,18 @@ def report_lines(result: Replayed) -> list[str]:
     verdict = {True: "yes", False: "NO", None: "nothing to compare (the run did not diagnose this step)"}[agreed]
     lines.append(f"agrees with the in-loop diagnosis: {verdict}")
     return lines
+
+
+def entry_line(name: str, entry: dict[str, Any], shown: int = 8) -> str:
+    """One non-finite state entry of a bundle in words: `name ([64, 64] float32): 1 of 4096 (1 NaN, 0 Inf) at flat
+    indices [0]` (the first `shown` indices)."""
+    values, index = entry["value"], entry["index"].tolist()
+    total = math.prod(entry["shape"])
+    nan = int(values.isnan().sum())
+    more = f" (and {len(index) - shown} more)" if len(index) > shown else ""
+    shard = "; this rank's shard, not written: the replay's model is whole" if entry.get("shard") else ""
+    return (f"non-finite entries of {name} ({list(entry['shape'])} {entry['dtype']}): {len(index)} of {total} "
+            f"({nan} NaN, {len(index) - nan} Inf) at flat indices {index[:shown]}{more}{shard}")  # fmt: skip
 
 
 def _fault(fault: dict[str, Any]) -> str:
@@ -67,4 +86,4 @@ def _why_not(kind: str) -> str:
     return "it acts on the backward pass or scales a finite loss: no forward shows it"
 
 
-__all__ = ["agreement", "report_lines", "where"]
+__all__ = ["agreement", "entry_line", "report_lines", "where"]

@@ -1,7 +1,9 @@
 """A bundle replayed on the CPU: TRL's trainer of the run's kind rebuilt from the checkpoint before the step and the
 run's config, the bundle's non-finite state entries written over its weights, the test faults that fired re-armed,
 and the step's micro-batches run through the trainer's own `compute_loss` with forward hooks on every module
-([`localize`]): the first module whose output went non-finite, and which rows (docs/replay.md)."""
+([`localize`]): the first module whose output went non-finite, and which rows (docs/replay.md). A bundle without
+micro-batches (a rollback the check of the state found with no faulted step, or every micro-batch over the bound)
+has no forward to run: the checkpoint is loaded and the non-finite entries written over it, and the replay says so."""
 
 from __future__ import annotations
 
@@ -51,7 +53,11 @@ class Replayed:
         found (`dict`): the [`localize`] result of the replay (`module`, `type`, `rows`, `micro_batch`, ...).
         rearmed (`list[dict]`): the test faults re-armed.
         overlaid (`list[str]`): the state entries written over the checkpoint's weights.
-        not_rearmed (`list[dict]`): the test faults that fired at the step but act on no forward pass.
+        not_rearmed (`list[dict]`): the test faults that fired at the step but act on no forward pass (or, with no
+            forward to run, all of them).
+        state (`dict`): the bundle's non-finite state entries (name: shape, dtype, flat indices and values).
+        forward (`bool`): whether a forward ran: `False` for a bundle without micro-batches (`found["reason"]` says
+            why).
     """
 
     step: int
@@ -61,6 +67,8 @@ class Replayed:
     rearmed: list[dict[str, Any]] = field(default_factory=list)
     overlaid: list[str] = field(default_factory=list)
     not_rearmed: list[dict[str, Any]] = field(default_factory=list)
+    state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    forward: bool = True
 
 
 def checkpoint_before(output_dir: str, step: int) -> str | None:
@@ -88,11 +96,15 @@ def replay(output_dir: str, step: int, checkpoint: str) -> Replayed:
         trainer = rebuild_trainer(kind, checkpoint, args, work)
         model = trainer.model
         model.train()
-        overlaid = overlay(model, payload.get("state") or {})
+        state = payload.get("state") or {}
+        overlaid = overlay(model, state)
         faults = payload.get("faults", meta.get("faults", []))  # the replayed rank's (the meta's: the main's)
+        kept = payload["micro_batches"]
+        if not kept:
+            found = {"module": None, "reason": no_forward_reason(meta)}
+            return Replayed(step, meta, checkpoint, found, [], overlaid, list(faults), state, forward=False)
         rearmed = [f for f in faults if f["kind"] in FORWARD_FAULTS]
         injector = rearm(trainer, rearmed, step)
-        kept = payload["micro_batches"]
         indices = sorted(kept)
         # A poisoned step's batches are the dataloader's: for an offline kind, what `compute_loss` receives but for
         # the move to the device, which `localize` makes.
@@ -106,7 +118,17 @@ def replay(output_dir: str, step: int, checkpoint: str) -> Replayed:
             found["micro_batch"] = indices[found["micro_batch"]]
         found["micro_batches"] = meta.get("micro_batches", len(indices))
     not_rearmed = [f for f in faults if f["kind"] not in FORWARD_FAULTS]
-    return Replayed(step, meta, checkpoint, found, rearmed, overlaid, not_rearmed)
+    return Replayed(step, meta, checkpoint, found, rearmed, overlaid, not_rearmed, state)
+
+
+def no_forward_reason(meta: dict[str, Any]) -> str:
+    """Why a bundle without micro-batches has no forward to replay, in words (from its `meta.json`)."""
+    if meta.get("found_by") == "state_check":
+        return ("the bundle holds no micro-batches: the guard's check of the state found it non-finite with no "
+                "step's loss or gradient non-finite, so which step damaged it is unknown")  # fmt: skip
+    if meta.get("left_out"):
+        return "every micro-batch of the step was left out of the bundle (over `nan_replay_max_bytes`)"
+    return "the bundle holds no micro-batches"
 
 
 def rebuild_trainer(kind: Any, checkpoint: str, run_args: dict[str, Any], work_dir: str) -> Any:
@@ -179,4 +201,7 @@ def rearm(trainer: Any, faults: list[dict[str, Any]], step: int) -> Any:
     return injector
 
 
-__all__ = ["FORWARD_FAULTS", "Replayed", "checkpoint_before", "loadable_weights", "rebuild_trainer", "replay"]
+__all__ = [
+    "FORWARD_FAULTS", "Replayed", "checkpoint_before", "loadable_weights", "no_forward_reason", "rebuild_trainer",
+    "replay",
+]  # fmt: skip

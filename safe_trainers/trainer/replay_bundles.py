@@ -4,9 +4,9 @@ micro-batches, the state entries found non-finite, GRPO/RLOO's rewards and the t
 
 Who writes: the main process always, with the meta and the config; every other rank only for a step whose loss was
 non-finite on that rank, or whose in-loop diagnosis found the module on that rank (a damaged state every rank
-shares, a finite loss: the rows that show it may be another rank's), each rank its own rows, state entries and
-fired test faults (the meta's are the main process's). A failure to write is logged, never raised: a bundle is a
-diagnostic.
+shares, a finite loss: the rows that show it may be another rank's), or, for a rollback the check of the state found
+with no faulted step, whose state was found non-finite there; each rank its own rows, state entries and fired test
+faults (the meta's are the main process's). A failure to write is logged, never raised: a bundle is a diagnostic.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..guard import Judged
+from ..guard import Judged, state_check_step
 from ..redact import hide_in_text, mask_secret
 from ..replay.bundle import fit, rotate_bundles, write_bundle
 from ..replay.rerun import checkpoint_before
@@ -43,13 +43,16 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
     rank, main = args.process_index, trainer.is_world_process_zero()
     records = {r.step: r for r in judged.records}
     state = nonfinite_entries(trainer.model) if not judged.state_finite else {}
+    checked = state_check_step(judged.verdict, judged.step) if judged.step is not None else None
     for step, batches in judged.bundles.items():
         record = records.get(step)
         bad_ranks = sorted(record.bad_ranks) if record is not None else []
         in_loop = diagnosis if diagnosis is not None and diagnosis.get("step") == step else None
         found_on = in_loop.get("rank") if in_loop is not None and in_loop.get("module") else None
-        if not main and rank not in bad_ranks and rank != found_on:  # each rank its own rows, where they went bad
+        damaged = list(trainer.safe_run.guard.damaged_ranks) if step == checked else []
+        if not main and rank not in bad_ranks and rank != found_on and rank not in damaged:  # each rank its own
             continue
+        fault_steps = (step, step + 1) if step == checked else (step,)
         items = [(f"micro_batch.{i}", host_copy(b)) for i, b in enumerate(batches)]
         items += [("rewards", host_copy(r)) for r in [_rewards(trainer)] if r is not None]
         items += [(f"state.{name}", entry) for name, entry in state.items()]
@@ -58,7 +61,7 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
             "micro_batches": {int(n.split(".")[1]): v for n, v in kept.items() if n.startswith("micro_batch.")},
             "state": {n[len("state."):]: v for n, v in kept.items() if n.startswith("state.")},
             "rewards": kept.get("rewards"),
-            "faults": fired_faults(trainer, step, rank),  # this rank's: a fault may fire on one rank only
+            "faults": fired_faults(trainer, fault_steps, rank),  # this rank's: a fault may fire on one rank only
         }
         meta = None
         if main:
@@ -69,9 +72,11 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
                 "micro_batches": len(batches), "prepared": step not in judged.dropped,
                 "max_bytes": settings.nan_replay_max_bytes, "bytes": sizes, "left_out": left_out,
                 "in_loop_diagnosis": in_loop, "nonfinite_state": sorted(state),
-                "faults": fired_faults(trainer, step, rank),
+                "faults": fired_faults(trainer, fault_steps, rank),
                 "reward_funcs": list(getattr(trainer, "reward_func_names", []) or []),
             }  # fmt: skip
+            if step == checked:
+                meta.update(state_check_meta(damaged))
         write_bundle(args.output_dir, step, rank, payload, meta, config_record(args) if main else None)
     if main:
         rotate_bundles(args.output_dir, max(judged.bundles), settings.nan_replay_limit)
@@ -107,24 +112,39 @@ def nonfinite_entries(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def events_of(judged: Judged, step: int) -> list[str]:
-    """The events step `step` has from this inspection: `skip` (a poisoned step's also `poison`), `rollback`."""
+    """The events step `step` has from this inspection: `skip` (a poisoned step's also `poison`), `rollback` (at its
+    fault step, or, found by the check of the state with no faulted step, at the step it was found at)."""
     verdict = judged.verdict
     kinds = ["skip"] if any(r.step == step for r in verdict.skipped) else []
     kinds += ["poison"] if step in judged.dropped else []
-    return kinds + (["rollback"] if verdict.rollback is not None and verdict.fault_step == step else [])
+    checked = state_check_step(verdict, judged.step) if judged.step is not None else None
+    rolled_back = verdict.rollback is not None and step in (verdict.fault_step, checked)
+    return kinds + (["rollback"] if rolled_back else [])
 
 
-def fired_faults(trainer: Any, step: int, rank: int) -> list[dict[str, Any]]:
-    """The test tool's faults (`testing/faults.py`) that fired at `step` on this rank, as data (`value` as text: JSON
-    has no NaN); `[]` without a `FaultInjector`."""
+def state_check_meta(damaged_ranks: list[int]) -> dict[str, Any]:
+    """What `meta.json` adds for a rollback the check of the state found with no faulted step (no micro-batches)."""
+    return {
+        "found_by": "state_check", "fault_step": None, "damaged_ranks": sorted(damaged_ranks),
+        "note": "The weights or optimizer state were found non-finite by the guard's check of the state (GRPO/RLOO: "
+                "before a generation), with no step's loss or gradient non-finite since the last inspection: which "
+                "step damaged them is unknown (any since the last verified state), so the bundle holds no "
+                "micro-batches, only the non-finite entries, the last generation's rewards and the test faults "
+                "that fired at this step and at the step in progress.",
+    }  # fmt: skip
+
+
+def fired_faults(trainer: Any, steps: tuple[int, ...], rank: int) -> list[dict[str, Any]]:
+    """The test tool's faults (`testing/faults.py`) that fired at one of `steps` on this rank, as data (`value` as
+    text: JSON has no NaN); `[]` without a `FaultInjector`."""
     injector = getattr(trainer, "fault_injector", None)
     if injector is None:
         return []
-    fired = {kind for s, kind in injector.injected if s == step}
+    fired = {(s, kind) for s, kind in injector.injected if s in steps}
     return [
         {**asdict(fault), "value": repr(fault.value)}
         for fault in injector.faults
-        if fault.hits(step, rank) and fault.kind in fired
+        if any(fault.hits(s, rank) and (s, fault.kind) in fired for s in steps)
     ]
 
 

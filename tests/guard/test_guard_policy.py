@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from safe_trainers.guard.policy import StepReading, can_roll_back, judge_window
+from safe_trainers.guard.policy import StepReading, bundled_steps, can_roll_back, judge_window, state_check_step
 
 
 NAN = float("nan")
@@ -42,6 +42,18 @@ def test_overflows_are_neither_faults_nor_applied_steps():
 def test_nonfinite_state_rolls_back_even_without_a_skip():
     verdict = judge_window([applied(1), applied(2)], 0, 3, None, state_finite=False)
     assert (verdict.rollback, verdict.fault_step) == ("nonfinite_state", 1)
+
+
+def test_a_damaged_state_found_with_no_step_pending_is_numbered_by_the_step_it_was_found_at():
+    """GRPO/RLOO's check before a generation: nothing pending, the state non-finite. No fault step, so no step of the
+    window gets a bundle; the step the check ran at does (docs/replay.md), and only for that verdict."""
+    found = judge_window([], 0, 3, None, state_finite=False)
+    assert (found.rollback, found.fault_step) == ("nonfinite_state", None) and bundled_steps(found) == []
+    assert state_check_step(found, 5) == 5
+    windowed = judge_window([applied(4), applied(5)], 0, 3, None, state_finite=False)
+    assert windowed.fault_step == 4 and bundled_steps(windowed) == [4] and state_check_step(windowed, 5) is None
+    skips = judge_window([skipped(4), skipped(5), skipped(6)], 0, 3, None)
+    assert state_check_step(skips, 6) is None
 
 
 def test_rollback_budget():

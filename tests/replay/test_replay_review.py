@@ -139,15 +139,51 @@ def test_a_checkpoint_without_loadable_weights_exits_2(tmp_path, capsys):
     assert "checkpoint-2` holds no model weights" in err and "stage3_gather_16bit_weights_on_model_save" in err
 
 
-@pytest.mark.xfail(strict=True, reason="a GRPO/RLOO rollback found before a generation names no faulted step: no "
-                   "bundle (docs/replay.md, 'Not yet covered')")  # fmt: skip
-def test_a_grpo_rollback_found_before_a_generation_has_a_bundle(toy_models, tmp_path):
-    out = str(tmp_path)
+@pytest.fixture(scope="module")
+def grpo_state_check_run(toy_models, tmp_path_factory) -> str:
+    """GRPO whose first trainable weight is made NaN at the start of step 6: the check before step 6's generation
+    finds it (global step 5), with no step's loss non-finite: a `rollback` with no fault step."""
+    out = str(tmp_path_factory.mktemp("grpo-state-check"))
     trainer = build_trainer("grpo", toy_models["qwen2"], out, preset="guarded", bf16=False, max_steps=7, save_steps=2,
                             faults=[Fault(step=6, kind="weight")])  # fmt: skip
     trainer.train()
-    assert [(e["step"], e["kind"]) for e in read_events(out)] == [(5, "rollback")]
+    return out
+
+
+def test_a_grpo_rollback_found_before_a_generation_has_a_bundle(grpo_state_check_run):
+    """The bundle is numbered by the step the damage was found at, as the `rollback` event is; it holds the
+    non-finite entries, the last generation's rewards and the weight fault that fired at the step in progress, and
+    no micro-batches (which step damaged the weights is unknown: the meta says so)."""
+    out = grpo_state_check_run
+    events = read_events(out)
+    assert [(e["step"], e["kind"]) for e in events] == [(5, "rollback")]
+    assert events[0]["fault_step"] is None
     assert bundle_steps(out) == [5]
+    meta, _, payload = read_bundle(out, 5)
+    assert meta["events"] == ["rollback"] and meta["ranks"] == [] and meta["checkpoint"] == "checkpoint-4"
+    assert (meta["found_by"], meta["fault_step"], meta["damaged_ranks"]) == ("state_check", None, [0])
+    assert "which step damaged them is unknown" in meta["note"]
+    assert meta["micro_batches"] == 0 and payload["micro_batches"] == {} and meta["in_loop_diagnosis"] is None
+    (name, entry), = payload["state"].items()  # the NaN weight, as its non-finite entries
+    assert meta["nonfinite_state"] == [name] and entry["index"].tolist() == [0] and entry["value"].isnan().all()
+    assert payload["rewards"] is not None and payload["rewards"].shape[1] == len(meta["reward_funcs"]) >= 1
+    assert [(f["step"], f["kind"]) for f in meta["faults"]] == [(6, "weight")] == \
+        [(f["step"], f["kind"]) for f in payload["faults"]]  # fmt: skip
+
+
+def test_the_replay_of_a_bundle_without_micro_batches_writes_the_entries_and_exits_3(grpo_state_check_run, capsys):
+    """Nothing to replay forward: the checkpoint is loaded, the damaged entries written over it and listed, and the
+    replay says there is no forward to run, with exit status 3 (docs/replay.md)."""
+    meta, _, payload = read_bundle(grpo_state_check_run, 5)
+    (name,) = payload["state"]
+    assert main(["replay", grpo_state_check_run, "--step", "5"]) == 3
+    text = capsys.readouterr().out
+    assert "Replay of step 5 (rollback; " in text and "from checkpoint-4 on the CPU" in text, text
+    assert f"non-finite state written over the checkpoint: {name}" in text
+    assert f"non-finite entries of {name} (" in text and "1 NaN, 0 Inf) at flat indices [0]" in text
+    assert "test fault not re-armed: Fault(step=6, kind='weight') (no forward runs" in text
+    assert "nothing to replay forward: the bundle holds no micro-batches" in text
+    assert "which step damaged it is unknown" in text and "first non-finite module" not in text
 
 
 def test_args_json_hides_a_token_inside_any_text():
