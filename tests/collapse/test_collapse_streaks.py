@@ -91,3 +91,18 @@ def test_the_fraction_of_equal_groups_of_a_sparse_reward_does_not_alarm_and_a_co
     start = streak_start(values, 300, 1.0)
     before = values[start - 1 - WINDOW : start - 1]
     assert streak == needed_streak(before.count(1.0), WINDOW, PATIENCE) > PATIENCE and step == start + streak - 1
+
+
+def test_an_episode_values_do_not_count_as_the_run_s_own_chance_crossings():
+    """Invariant: `recent` holds the run's values outside streaks and episodes, so the streak a collapse needs after an
+    episode is the one the values before it asked for. A sparse reward (every other pair of steps all equal: 16 of
+    the last 32 cross, a streak of 14 needed), a real collapse (20 zeros: one episode), a recovery that alternates
+    (in-band, 0) before 3 in-band steps end the episode, then 13 zeros by chance: shorter than the run's own 14. Found
+    in review: the episode's in-band values joined `recent` while its crossed ones did not, so after an episode the
+    run looked as if it rarely crossed (9 needed) and the chance streak was reported as a second collapse."""
+    clean = [0.4, 0.45, 0.0, 0.0] * 16
+    needed = needed_streak(clean[-WINDOW:].count(0.0), WINDOW, PATIENCE)
+    assert needed == 14
+    values = clean + [0.0] * 20 + [0.4, 0.0] * 8 + [0.4] * 3 + [0.0] * (needed - 1)
+    start = streak_start(values, len(clean), 0.0)  # the clean run ends with 2 zeros: the collapse's streak starts there
+    assert episodes_of(values) == [(start + needed - 1, "reward_std", needed)]
