@@ -73,7 +73,9 @@ class SignalState:
         """Judge `value`; returns the verdict when it starts an episode, else `None`. A value past the threshold
         does not enter the window, so a collapse never becomes the level it is judged against; the streak it starts
         must be as long as [`needed_streak`] asks given how many `recent` values lie past the same threshold (the
-        values of a streak too short to be a collapse join them once it ends)."""
+        values of a streak too short to be a collapse join them once it ends; an episode's values, in band or not, never
+        do: its crossed ones are the collapse, and its in-band ones alone would make the run look as if it rarely
+        crossed)."""
         if len(self.window) < warmup:
             self.window.append(value)
             self.recent.append(value)
@@ -90,7 +92,7 @@ class SignalState:
             return None
         if not self.in_episode:
             self.recent.extend(self.crossed)
-        self.recent.append(value)
+            self.recent.append(value)
         self.crossed = []
         self.window.append(value)
         if self.in_episode:

@@ -48,8 +48,8 @@ class RunEvent:
             `"shard_missing"` (a rollback found a rank without its shard of the host snapshot, which DDP
             ranks share out: it loads the newest verified checkpoint instead), `"collapse"` (GRPO/RLOO: a metric TRL
             computes, e.g. the entropy or the rewards' spread, crossed its threshold against the run's recent steps
-            for `collapse_patience` steps: `signal`, `metric`, `value`, the window's `median` and `scale`, `threshold`,
-            `direction`; warn-only, training is unchanged).
+            for a streak of `collapse_patience` steps or more: `signal`, `metric`, `value`, the window's `median` and
+            `scale`, `threshold`, `direction`, `window`, `patience`, `streak`; warn-only, training is unchanged).
         nonfinite (`list[str]`): what was non-finite: `"loss"`, `"grad_norm"`, `"weights"`, `"optimizer_state"`,
             `"rewards"`, `"advantages"`.
         ranks (`list[int]`): the ranks where the loss was non-finite (all ranks see a non-finite gradient norm).
