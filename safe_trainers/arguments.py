@@ -106,11 +106,10 @@ class SafetyArguments:
 
     > Parameters that control the collapse watch (GRPO and RLOO)
 
-    collapse_signals (`list[str]`, *optional*, defaults to every signal but `"reward"`):
+    collapse_signals (`list[str]`, *optional*, defaults to `["entropy", "kl", "completion_length"]`):
         With `nan_guard`, the metrics TRL computes that are judged at every step against the run's own recent steps:
-        one warn-only `collapse` event per episode (`docs/collapse.md`): `"entropy"`, `"reward_std"`,
-        `"frac_reward_zero_std"`, `"kl"`, `"completion_length"`; also `"reward"`, off by default (it caught none of
-        the injected collapses). `[]` disables.
+        one warn-only `collapse` event per episode (`docs/collapse.md`). Also, off by default, `"reward_std"` and
+        `"frac_reward_zero_std"` (false alarms with a sparse 0/1 reward) and `"reward"`. `[]` disables.
     collapse_window (`int`, *optional*, defaults to `32`):
         Recent steps each signal's level (median) and scale (median absolute deviation) cover; judged from half.
     collapse_patience (`int`, *optional*, defaults to `3`):

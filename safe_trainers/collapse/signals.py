@@ -9,7 +9,8 @@ or a nearly constant metric never alarm on their own).
 
 A collapse is a streak of such values ([`needed_streak`]): at least `collapse_patience` in a row, and longer where the
 run's own recent values cross now and then by chance (a sparse 0/1 reward whose one group per step is all 0 on some
-steps), so that a streak as long comes from that chance less than once in `1 / STREAK_CHANCE` steps.
+steps), so that a streak as long comes from that chance about once in `1 / STREAK_CHANCE` steps (the rate is estimated
+from the recent values: measured, 1 to 3 times that, `bench/collapse_streaks.py`).
 """
 
 from __future__ import annotations
@@ -73,19 +74,21 @@ SIGNALS: tuple[Signal, ...] = (
            meaning="the mean reward falls by half its level and half a reward unit or more"),
 )
 SIGNAL_NAMES: tuple[str, ...] = tuple(signal.name for signal in SIGNALS)
-# On by default: the signals with no false alarm on any clean run measured (`docs/collapse.md`), a sparse 0/1 reward
-# with one group per step included; `reward` is off: it caught none of the injected collapses.
-DEFAULT_SIGNALS: tuple[str, ...] = ("entropy", "reward_std", "frac_reward_zero_std", "kl", "completion_length")
-# The largest chance, per step, that a clean run's values cross by chance for a whole streak ([`needed_streak`]).
+# On by default: the signals with no false alarm on any clean run measured (`docs/collapse.md`). `reward_std` and
+# `frac_reward_zero_std` are off: with a sparse 0/1 reward and one group per step, their chance streaks still make
+# false alarms over long runs (1 to 3 per 10,000 steps, more when the rate shifts); `reward` caught nothing.
+DEFAULT_SIGNALS: tuple[str, ...] = ("entropy", "kl", "completion_length")
+# The chance, per step, that a clean run's values cross by chance for a whole streak ([`needed_streak`]).
 STREAK_CHANCE = 1e-4
 
 
 def needed_streak(crossed: int, judged: int, patience: int) -> int:
     """How many values past the threshold in a row make a collapse, when `crossed` of the `judged` recent values
-    before the streak lie past the same threshold: the least `n >= patience` with `rate ** n <=
-    STREAK_CHANCE`, the rate estimated as `(crossed + 1/2) / (judged + 1)` (never 0: a few values cannot prove a
-    metric never crosses). A metric that never crossed over 32 values needs `patience` (3); one that crossed on a
-    third of them needs 9."""
+    before the streak lie past the same threshold: `patience` when none does (the metric does not cross by chance),
+    else the least `n >= patience` with `rate ** n <= STREAK_CHANCE`, the rate estimated as
+    `(crossed + 1/2) / (judged + 1)`. One that crossed on a third of 32 values needs 9."""
+    if crossed == 0:
+        return patience
     rate = (crossed + 0.5) / (judged + 1)
     return max(patience, math.ceil(math.log(STREAK_CHANCE) / math.log(rate) - 1e-9))
 

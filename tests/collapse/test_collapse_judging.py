@@ -137,9 +137,7 @@ def test_step_values_are_the_new_ones_across_trls_clear_and_tensors_are_never_re
 
 def test_collapse_settings_are_validated():
     assert SafetyArguments(collapse_signals="entropy, kl").collapse_signals == ["entropy", "kl"]
-    assert SafetyArguments().collapse_signals == [
-        "entropy", "reward_std", "frac_reward_zero_std", "kl", "completion_length",
-    ]  # fmt: skip
+    assert SafetyArguments().collapse_signals == ["entropy", "kl", "completion_length"]
     with pytest.raises(ValueError, match=r"`collapse_signals` names unknown signal\(s\) \['entropie'\]"):
         SafetyArguments(collapse_signals=["entropie"])
     with pytest.raises(ValueError, match="`collapse_window` must be an integer >= 4, got 2"):

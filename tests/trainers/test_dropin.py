@@ -155,7 +155,7 @@ def test_config_values_equal_trl_values(kind, tmp_path):
         "job_end_slack": 60.0,
         "event_alert_interval": 600.0,
         "save_in_background": True,
-        "collapse_signals": ["entropy", "reward_std", "frac_reward_zero_std", "kl", "completion_length"],
+        "collapse_signals": ["entropy", "kl", "completion_length"],
         "collapse_window": 32,
         "collapse_patience": 3,
     }
