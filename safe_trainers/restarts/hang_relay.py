@@ -21,8 +21,8 @@ the event log (`nan_events.jsonl`), the timeline and the reporting to TensorBoar
    is then in its rank's log line and stacks file only.
 
 The relay is built on every rank under several ranks, whatever each rank's `hang_timeout` (`trainer/run.py`): every
-rank must hand the guard's all-reduce the same values, and a rank whose watchdog is off still relays nothing and
-records the others' hangs.
+rank must hand the guard's all-reduce the same values; a rank whose watchdog is off hands in an empty slot, and as
+the main process still records the other ranks' hangs.
 
 A hang that never ends is not relayed: its rank reaches no all-reduce again (it is stuck, or it exited with status
 124). The other ranks then wait for it in a collective, and their own watchdogs report their own stalled steps.

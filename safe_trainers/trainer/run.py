@@ -146,8 +146,8 @@ class SafeRun:
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
     """The run of a built trainer: everything the guard needs when `settings.nan_guard` is on (the guard, its event
-    log, the step record, preemption with `preempt_signals`, the watchdog with `hang_timeout > 0`), else nothing but
-    the output lock's place."""
+    log, the step record, preemption with `preempt_signals`, the watchdog with `hang_timeout > 0`, the hang relay under
+    several ranks), else nothing but the output lock's place."""
     if not settings.nan_guard:
         return SafeRun()
     refuse_unsupported_backend(trainer)
