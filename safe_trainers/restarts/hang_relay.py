@@ -15,7 +15,14 @@ the event log (`nan_events.jsonl`), the timeline and the reporting to TensorBoar
    `ranks=[r]`, the seconds, the bound, that rank's stacks file and `relayed_from=r`. Its own hangs are in the log
    already (the watchdog adds them).
 4. At the end of training (the watchdog stopped) the hangs not relayed yet, and the agreed values not read yet, are
-   read with one more all-reduce per `train()` call ([`HangRelay.train_ended`]).
+   read with one more all-reduce per `train()` call ([`HangRelay.train_ended`]). A `train()` left by an exception
+   (a preemption's exit at the step every rank stops at, an abort) has no `on_train_end`: the values already agreed
+   are read as it leaves, with no collective ([`HangRelay.train_left`]); a hang reported after the last all-reduce
+   is then in its rank's log line and stacks file only.
+
+The relay is built on every rank under several ranks, whatever each rank's `hang_timeout` (`trainer/run.py`): every
+rank must hand the guard's all-reduce the same values; a rank whose watchdog is off hands in an empty slot, and as
+the main process still records the other ranks' hangs.
 
 A hang that never ends is not relayed: its rank reaches no all-reduce again (it is stuck, or it exited with status
 124). The other ranks then wait for it in a collective, and their own watchdogs report their own stalled steps.
@@ -162,11 +169,20 @@ class HangRelay:
             if not agreed[-1]:
                 return
 
-    def _read_through(self, step: int | None) -> list[list[float]]:
+    def train_left(self) -> None:
+        """`train()` was left, by a return or an exception (a preemption's exit at its stopping step, an abort): the
+        agreed values not read yet (after a return: none, [`train_ended`] read them) are read and recorded here, with
+        no collective (the ranks need not all be here) and no wait (a copy the device has not completed is dropped:
+        it may be failing). Hangs reported after the last step's all-reduce are not relayed then."""
+        self._record(self._read_through(None, wait=False))
+
+    def _read_through(self, step: int | None, wait: bool = True) -> list[list[float]]:
         out = []
         while self._agreed and (step is None or self._agreed[0][0] <= step):
             _, values, event = self._agreed.popleft()
             if event is not None:
+                if not wait and not event.query():
+                    continue
                 event.synchronize()  # on work queued a step ago (or more): long complete
             if self.main:  # the other ranks record nothing
                 out.append(values.tolist())

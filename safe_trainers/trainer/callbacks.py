@@ -110,23 +110,15 @@ class StepProgressCallback(TrainerCallback):
 
 
 class HangWatchdogCallback(TrainerCallback):
-    """Times each optimizer step with the [`HangWatchdog`], and under several ranks reads back the hangs the other
-    ranks' watchdogs reported ([`HangRelay`]).
-
-    Args:
-        watchdog ([`HangWatchdog`]): this rank's watchdog.
-        relay ([`HangRelay`], *optional*): the relay of the hangs (several ranks).
-    """
+    """Times each optimizer step with the [`HangWatchdog`]."""
 
     priority = 10  # see `run.py`: after the guard, whose inspection is timed with the step
     leaves_state_alone = True  # see `read_only.py`
 
-    def __init__(self, watchdog: HangWatchdog, relay: HangRelay | None = None):
-        self.watchdog, self.relay = watchdog, relay
+    def __init__(self, watchdog: HangWatchdog):
+        self.watchdog = watchdog
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
-        if self.relay is not None:
-            self.relay.train_began()
         self.watchdog.train_began(state.is_world_process_zero)
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
@@ -134,13 +126,30 @@ class HangWatchdogCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         self.watchdog.step_ended()
-        if self.relay is not None:
-            self.relay.step_ended(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs: Any):
         self.watchdog.stop()
-        if self.relay is not None:  # after the watchdog stopped: no hang is reported after this
-            self.relay.train_ended()
+
+
+class HangRelayCallback(TrainerCallback):
+    """Under several ranks, reads back the hangs the other ranks' watchdogs reported ([`HangRelay`]); on every rank,
+    whatever its `hang_timeout` (the relay rides on the guard's all-reduce, which every rank must hand the same
+    values). Placed after [`HangWatchdogCallback`] (`run.py`): at train end this rank's watchdog has stopped."""
+
+    priority = 10  # see `run.py`: after the guard's and the watchdog's
+    leaves_state_alone = True  # see `read_only.py`
+
+    def __init__(self, relay: HangRelay):
+        self.relay = relay
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.relay.train_began()
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        self.relay.step_ended(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.relay.train_ended()
 
 
 class CompileWatchCallback(TrainerCallback):

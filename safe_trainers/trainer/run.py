@@ -13,7 +13,8 @@ first (each callback declares its own):
   back, so a death there is never blamed on the step's data;
 * 20 [`NanGuardCallback`]: the state is verified before anything after it reads or saves it;
 * 10 [`HangWatchdogCallback`]: its `on_step_end` comes after the guard's inspection, so the inspection's collectives are
-  timed with the step; under several ranks it also reads back the hangs relayed from the other ranks (`hang_relay.py`);
+  timed with the step; then, under several ranks, [`HangRelayCallback`]: it reads back the hangs relayed from the
+  other ranks (`hang_relay.py`), at train end once the watchdog stopped;
 * 5 [`EventReportCallback`] (`reporting.py`, when `report_to` names TensorBoard or W&B): after the guard's and the
   watchdog's, whose train-end events it reports; it finds the integrations' writers once they opened them;
 * 0 [`CompileWatchCallback`]: anywhere; the compile watch tells the step record and the watchdog when torch compiles;
@@ -51,7 +52,8 @@ from ..restarts.writers_done import WritersDone
 from ..runtime.events import EventLog, RunEvent
 from ..runtime.ports import UNWATCHED
 from .callbacks import (
-    CompileWatchCallback, HangWatchdogCallback, NanGuardCallback, PreemptionCallback, StepProgressCallback,
+    CompileWatchCallback, HangRelayCallback, HangWatchdogCallback, NanGuardCallback, PreemptionCallback,
+    StepProgressCallback,
 )  # fmt: skip
 from .background_checkpoints import SaveAwareCallbackHandler
 from .hooks_ran import HookCheckCallback, HooksRan
@@ -114,8 +116,8 @@ class SafeRun:
         output_lock ([`OutputDirLock`], *optional*): this process's hold on `output_dir` during `train()`.
         saves ([`BackgroundSaves`], *optional*): the checkpoint writer thread, with `save_in_background=True`.
         writers ([`WritersDone`], *optional*): when every rank's writer is done, agreed on the guard's all-reduce.
-        hang_relay ([`HangRelay`], *optional*): under several ranks with the watchdog on, carries each rank's reported
-            hangs to the main process's event log on the guard's all-reduce.
+        hang_relay ([`HangRelay`], *optional*): under several ranks (whatever each rank's `hang_timeout`), carries
+            each rank's reported hangs to the main process's event log on the guard's all-reduce.
         collapse ([`CollapseWatch`], *optional*): GRPO/RLOO with `collapse_signals`: the warn-only collapse watch.
         reporter ([`EventReporter`], *optional*): hands the events to TensorBoard and W&B, when `report_to` names
             them (`reporting.py`).
@@ -144,8 +146,8 @@ class SafeRun:
 
 def build_run(trainer: Any, settings: Any) -> SafeRun:
     """The run of a built trainer: everything the guard needs when `settings.nan_guard` is on (the guard, its event
-    log, the step record, preemption with `preempt_signals`, the watchdog with `hang_timeout > 0`), else nothing but
-    the output lock's place."""
+    log, the step record, preemption with `preempt_signals`, the watchdog with `hang_timeout > 0`, the hang relay under
+    several ranks), else nothing but the output lock's place."""
     if not settings.nan_guard:
         return SafeRun()
     refuse_unsupported_backend(trainer)
@@ -159,10 +161,11 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
 
     deadline = Deadline(*end, settings.job_end_slack, held) if end is not None else None
     run.preemption = Preemption(events, signals, deadline) if signals or deadline else None
+    if args.world_size > 1:  # another rank's hang reaches the main process's event log (`hang_relay.py`); built
+        # whatever this rank's `hang_timeout`: every rank must hand the guard's all-reduce the same riders
+        main = trainer.is_world_process_zero()
+        run.hang_relay = HangRelay(events, args.output_dir, args.process_index, args.world_size, main)
     if settings.hang_timeout > 0:
-        if args.world_size > 1:  # another rank's hang reaches the main process's event log (`hang_relay.py`)
-            main = trainer.is_world_process_zero()
-            run.hang_relay = HangRelay(events, args.output_dir, args.process_index, args.world_size, main)
         run.watchdog = HangWatchdog(
             args.output_dir, args.process_index, settings.hang_timeout, settings.hang_timeout_factor,
             attempt=restart_count(os.environ), learn_after=generation_period(args),
@@ -186,7 +189,9 @@ def build_run(trainer: Any, settings: Any) -> SafeRun:
     if run.preemption is not None:
         callbacks.append(PreemptionCallback(run.preemption))
     if run.watchdog is not None:
-        callbacks.append(HangWatchdogCallback(run.watchdog, run.hang_relay))
+        callbacks.append(HangWatchdogCallback(run.watchdog))
+    if run.hang_relay is not None:  # after the watchdog's: its train end reads the hangs once the watchdog stopped
+        callbacks.append(HangRelayCallback(run.hang_relay))
     run.collapse = build_collapse_watch(trainer, settings, events)
     if run.collapse is not None:
         callbacks.append(CollapseCallback(trainer, run.collapse))

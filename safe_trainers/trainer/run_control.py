@@ -31,13 +31,19 @@ def after_boundary(trainer: Any) -> None:
 
 
 def after_train(trainer: Any) -> None:
-    """When `train()` leaves, by a return or an exception: the signal handlers go back, the compile hooks are removed
-    and the watchdog stops."""
+    """When `train()` leaves, by a return or an exception: the signal handlers go back, the compile hooks are removed,
+    the watchdog stops and the hangs other ranks relayed on the all-reduces already agreed are recorded (left by an
+    exception, no `on_train_end` read them: `restarts/hang_relay.py`)."""
     run = trainer.safe_run
     if run.compile_watch is not None:
         run.compile_watch.unregister()
     if run.watchdog is not None:
         run.watchdog.stop()
+    if run.hang_relay is not None:
+        try:
+            run.hang_relay.train_left()
+        except Exception as error:  # never in the way of the exception `train()` is leaving with
+            logger.warning(f"NaN guard: the hangs relayed from other ranks were not all recorded: {error!r}")
     if run.preemption is not None:
         run.preemption.restore()
 

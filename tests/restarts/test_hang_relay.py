@@ -137,3 +137,37 @@ def test_a_hang_on_rank_1_only_reaches_rank_0s_event_log_and_tensorboard(tmp_pat
     assert [line.splitlines()[0] for line in said if "hang" in line] == [
         f"step {e['step']}: hang; {e['seconds']} s; on rank 1" for e in hangs
     ]
+
+
+@pytest.mark.distributed
+def test_a_watchdog_off_on_rank_0_only_neither_breaks_the_all_reduce_nor_loses_rank_1s_hang(tmp_path):
+    # `hang_timeout=0` on rank 0, 3 s on rank 1: the ranks must still hand the guard's all-reduce the same riders
+    # (the relay's vector was built on rank 1 only: gloo aborted, "Received data size doesn't match expected size",
+    # NCCL would hang or read past the buffer). Rank 0 times no step, but records rank 1's hang of step 3.
+    results, _ = launch_restarting(
+        tmp_path, 2, 0, "--slow", "3:8:1", "--hang_timeout", "0", "--hang_timeout_on", "1:3",
+        "--hang_action", "report", "--max_steps", "4", "--save_steps", "4",
+    )  # fmt: skip
+    run = tmp_path / "out" / "run"
+    assert [r["global_step"] for r in results] == [4, 4]
+    hangs = [e for e in read_events(str(run)) if e["kind"] == "hang"]
+    assert [(e["step"], e["ranks"], e["relayed_from"]) for e in hangs] == [(3, [1], 1)]
+
+
+@pytest.mark.distributed
+def test_a_hang_at_the_step_a_preemption_stops_at_is_relayed_before_the_process_exits(tmp_path):
+    # Rank 0 is sent SIGTERM in step 3: every rank stops after step 4, saves checkpoint-4 and exits (status 75, raised
+    # from the step's boundary: no `on_train_end`, no further step to read step 4's agreed values). Rank 1's step 4
+    # ran past its bound of 3 s: its hang rode step 4's all-reduce and must reach rank 0's log before the exit (the
+    # restart resumes from checkpoint-4 and keeps the events up to step 4).
+    results, _ = launch_restarting(
+        tmp_path, 2, 1, "--preempt", "3:0:0", "--slow", "4:8:1", "--hang_timeout", "900", "--hang_timeout_on", "1:3",
+        "--hang_action", "report", "--max_steps", "6", "--save_steps", "6",
+    )  # fmt: skip
+    run = tmp_path / "out" / "run"
+    assert [(r["attempt"], r["global_step"]) for r in results] == [(1, 6), (1, 6)]
+    assert "step 4 has run" in (run / "hang-stacks-rank1.txt").read_text()
+    events = read_events(str(run))
+    assert [e["step"] for e in events if e["kind"] == "preempt"] == [4]
+    hangs = [e for e in events if e["kind"] == "hang"]
+    assert [(e["step"], e["ranks"], e["relayed_from"]) for e in hangs] == [(4, [1], 1)]
