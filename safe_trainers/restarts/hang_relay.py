@@ -105,7 +105,10 @@ class HangRelay:
 
     # ------------------------------------------------------------------ the watchdog's thread
     def reported(self, step: int, detail: dict[str, Any]) -> None:
-        """This rank's watchdog reported a hang (its `on_hang`; `detail`: the `hang` event's): relay it."""
+        """This rank's watchdog reported a hang (its `on_hang`; `detail`: the `hang` event's): relay it (the main
+        process's own is in its event log already: not sent)."""
+        if self.main:
+            return
         with self._lock:
             self._queued.append(Hang(step, float(detail.get("seconds", 0.0)), float(detail.get("bound", 0.0))))
 

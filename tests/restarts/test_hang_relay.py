@@ -82,6 +82,8 @@ def test_the_main_process_records_another_ranks_hang_one_step_later_and_once(tmp
         relay.train_began()
     run_steps(relays, [1, 2])
     relays[1].reported(3, {"seconds": 4.46, "bound": 3.0, "stacks": "x", "exited": False})  # during step 3
+    relays[0].reported(3, {"seconds": 4.0, "bound": 3.0})  # the main process's own: in its log already, not sent
+    assert relays[0].local_bit(CPU).tolist() == [0.0] * 6
     run_steps(relays, [3])
     assert events[0].events == []  # step 3's values are read at the end of step 4 (no wait on the device)
     assert relays[1].local_bit(CPU).tolist() == [0.0] * 6  # relayed once: its slot is clear again
