@@ -43,15 +43,29 @@ settings.load_profile("ci")
 @pytest.fixture(scope="session", autouse=True)
 def _remove_deepspeed_shared_memory():
     """DeepSpeed's CPU accelerator keeps its all-reduce buffers in `/dev/shm` (two 66 MB files per two-process launch)
-    and never removes them, so a whole suite would leave gigabytes of RAM behind. Remove the ones this session's
-    launches created. (A test session running beside another one on the same machine could remove the other's files
-    between its ranks' start-ups; CI runs one session at a time.)"""
+    and never removes them, so a whole suite would leave gigabytes of RAM behind. At the session's end (each xdist
+    worker's), remove the ones created since it began that no live process maps: a launch of another worker, or of
+    another session on the machine, still running keeps its buffers."""
     shm = Path("/dev/shm")
     pattern = "deepspeed_allreduce_buffer_*"
     before = set(shm.glob(pattern)) if shm.is_dir() else set()
     yield
-    for path in set(shm.glob(pattern)) - before if shm.is_dir() else ():
+    created = set(shm.glob(pattern)) - before if shm.is_dir() else set()
+    for path in created - mapped_files(created):
         path.unlink(missing_ok=True)
+
+
+def mapped_files(paths: set[Path]) -> set[Path]:
+    """Those of `paths` that a live process maps (read from every readable `/proc/<pid>/maps`)."""
+    names = {str(path) for path in paths}
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps") if names else ():
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        mapped.update(name for name in names if name in text)
+    return {Path(name) for name in mapped}
 
 
 @pytest.fixture

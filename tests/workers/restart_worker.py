@@ -153,8 +153,8 @@ class KillingDPOTrainer(trainer_class("dpo")):
                 os.kill(os.getpid(), signal.SIGTERM)
             if step in self.pause_steps:
                 self.pause_steps.discard(step)
+                announce(self)  # a background save of an earlier step is published (and uploaded) first: a stable state
                 if self.args.push_to_hub:
-                    announce(self)  # a background save of an earlier step is published and uploaded first
                     self._finish_current_push()  # the uploads begun at the saves before the pause are done
                 out = os.path.dirname(self.stream.name)
                 open(os.path.join(out, f"paused-rank{self.args.process_index}"), "w").close()
