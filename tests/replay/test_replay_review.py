@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from net_utils import EXIT_RACE, free_port
+from transformers import TrainerCallback
 
 from safe_trainers.cli.main import main
 from safe_trainers.guard import read_events
@@ -196,3 +197,34 @@ def test_args_json_hides_a_token_inside_any_text():
                        run_name=f"run with {token}", model_init_kwargs={"token": "plain", "note": f"see {token}"})
     text = json.dumps(config_record(config), default=str)
     assert token not in text and "plain" not in text and "run with <hidden>" in text
+
+
+class _AdamMomentNaN(TrainerCallback):
+    """Makes one entry of the first parameter's `exp_avg_sq` NaN at the start of step `at` (the weights stay finite):
+    the check before that step's generation finds the optimizer state damaged, with no step's loss non-finite."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step + 1 == self.at:
+            param = next(p for group in optimizer.param_groups for p in group["params"] if optimizer.state.get(p))
+            optimizer.state[param]["exp_avg_sq"].view(-1)[0] = float("nan")
+
+
+def test_an_optimizer_state_only_damage_is_named_in_the_bundle_and_the_replay(toy_models, tmp_path, capsys):
+    """Adam's moments NaN, the weights finite: the bundle has no weight entry to write, and says so honestly: the
+    meta names the optimizer state found non-finite (not kept: a forward does not read it) and the replay lists it
+    (it printed `non-finite state written over the checkpoint: none` and nothing else about the damage)."""
+    out = str(tmp_path)
+    trainer = build_trainer("grpo", toy_models["qwen2"], out, preset="guarded", bf16=False, max_steps=6, save_steps=2)
+    trainer.add_callback(_AdamMomentNaN(6))
+    trainer.train()
+    assert [(e["step"], e["kind"], e["fault_step"]) for e in read_events(out)] == [(5, "rollback", None)]
+    meta, _, payload = read_bundle(out, 5)
+    assert meta["nonfinite_state"] == [] and payload["state"] == {}
+    (name, entry), = meta["nonfinite_optimizer_state"].items()
+    assert name.endswith(".weight:exp_avg_sq") and (entry["nonfinite"], entry["nan"]) == (1, 1)
+    assert main(["replay", out, "--step", "5"]) == 3
+    text = capsys.readouterr().out
+    assert f"non-finite optimizer state (not in the bundle: a forward does not read it): {name} (" in text, text
