@@ -48,6 +48,11 @@ def report_lines(result: Replayed) -> list[str]:
                      "step; not a fault of the model or the data)")  # fmt: skip
     if not result.forward:
         lines += [entry_line(name, entry) for name, entry in sorted(result.state.items())]
+    moments = meta.get("nonfinite_optimizer_state") or {}
+    if moments:
+        listed = ", ".join(f"{name} ({e['nonfinite']} of {math.prod(e['shape'])}, {e['nan']} NaN)"
+                           for name, e in moments.items())  # fmt: skip
+        lines.append(f"non-finite optimizer state (not in the bundle: a forward does not read it): {listed}")
     for fault in result.not_rearmed:
         why = _why_not(fault["kind"]) if result.forward else "no forward runs: nothing to re-arm it for"
         lines.append(f"test fault not re-armed: {_fault(fault)} ({why})")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..guard import Judged, state_check_step
+from ..guard import Judged, state_check_step, unwrap_optimizer
 from ..redact import hide_in_text, mask_secret
 from ..replay.bundle import fit, rotate_bundles, write_bundle
 from ..replay.rerun import checkpoint_before
@@ -43,6 +43,7 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
     rank, main = args.process_index, trainer.is_world_process_zero()
     records = {r.step: r for r in judged.records}
     state = nonfinite_entries(trainer.model) if not judged.state_finite else {}
+    moments = nonfinite_optimizer_state(trainer.model, trainer.optimizer) if not judged.state_finite else {}
     checked = state_check_step(judged.verdict, judged.step) if judged.step is not None else None
     for step, batches in judged.bundles.items():
         record = records.get(step)
@@ -62,6 +63,7 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
             "state": {n[len("state."):]: v for n, v in kept.items() if n.startswith("state.")},
             "rewards": kept.get("rewards"),
             "faults": fired_faults(trainer, fault_steps, rank),  # this rank's: a fault may fire on one rank only
+            "optimizer_state": moments,  # named and counted only: a forward does not read it
         }
         meta = None
         if main:
@@ -71,7 +73,7 @@ def _write(trainer: Any, judged: Judged, diagnosis: dict | None) -> None:
                 "checkpoint": _name(checkpoint_before(args.output_dir, step)),
                 "micro_batches": len(batches), "prepared": step not in judged.dropped,
                 "max_bytes": settings.nan_replay_max_bytes, "bytes": sizes, "left_out": left_out,
-                "in_loop_diagnosis": in_loop, "nonfinite_state": sorted(state),
+                "in_loop_diagnosis": in_loop, "nonfinite_state": sorted(state), "nonfinite_optimizer_state": moments,
                 "faults": fired_faults(trainer, fault_steps, rank),
                 "reward_funcs": list(getattr(trainer, "reward_func_names", []) or []),
             }  # fmt: skip
@@ -109,6 +111,28 @@ def nonfinite_entries(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             "shard": is_sharded(tensor),
         }
     return found
+
+
+def nonfinite_optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, dict[str, Any]]:
+    """The optimizer state entries (a torch optimizer's per-parameter state: Adam's `exp_avg`, `exp_avg_sq`) holding
+    NaN or Inf, as `"<parameter name>:<key>"`: its shape, dtype and how many entries are non-finite (`nonfinite`), of
+    them NaN (`nan`). Named and counted only, not kept: a replay's forward does not read the optimizer state. A
+    parameter the model does not name (a DeepSpeed ZeRO partition, flat) is passed over."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = {}
+    for param, slots in getattr(unwrap_optimizer(optimizer), "state", {}).items():
+        for key, value in slots.items():
+            if id(param) not in names or not torch.is_tensor(value) or not value.is_floating_point():
+                continue
+            data = local(value.detach())
+            bad = ~torch.isfinite(data)
+            count = int(bad.sum())
+            if count:
+                found[f"{names[id(param)]}:{key}"] = {
+                    "shape": list(data.shape), "dtype": str(data.dtype).removeprefix("torch."),
+                    "nonfinite": count, "nan": int(data.isnan().sum()),
+                }  # fmt: skip
+    return dict(sorted(found.items()))
 
 
 def events_of(judged: Judged, step: int) -> list[str]:
@@ -169,4 +193,4 @@ def config_record(args: Any) -> dict[str, Any]:
     return map_tensors(masked, lambda t: t, lambda leaf: hide_in_text(leaf) if isinstance(leaf, str) else leaf)
 
 
-__all__ = ["config_record", "nonfinite_entries", "write_bundles"]
+__all__ = ["config_record", "nonfinite_entries", "nonfinite_optimizer_state", "write_bundles"]
