@@ -228,3 +228,35 @@ def test_an_optimizer_state_only_damage_is_named_in_the_bundle_and_the_replay(to
     assert main(["replay", out, "--step", "5"]) == 3
     text = capsys.readouterr().out
     assert f"non-finite optimizer state (not in the bundle: a forward does not read it): {name} (" in text, text
+
+
+class _WeightNaNAfterTheGuard(TrainerCallback):
+    """Writes NaN into the first trainable weight at the end of step `at`, after the guard's own check of that step
+    (a callback added after it): the check before the step's save finds it, with no step left to judge."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.at:
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.requires_grad).view(-1)[0] = float("nan")
+
+
+def test_an_offline_rollback_found_by_the_check_before_a_save_has_a_bundle_that_says_so(toy_models, tmp_path, capsys):
+    """DPO takes the state-check path too: the check before a save finds the weights damaged after the step's own
+    check, a `rollback` with no fault step. Its bundle is numbered by the rollback's step, holds the entries, and its
+    note names the checks that find such damage (it said `GRPO/RLOO: before a generation` only, and the docs said
+    only GRPO/RLOO take this path)."""
+    out = str(tmp_path)
+    trainer = build_trainer("dpo", toy_models["qwen2"], out, preset="guarded", bf16=False, max_steps=5, save_steps=2)
+    trainer.add_callback(_WeightNaNAfterTheGuard(4))
+    trainer.train()
+    assert [(e["step"], e["kind"], e["fault_step"]) for e in read_events(out)] == [(4, "rollback", None)]
+    assert bundle_steps(out) == [4]
+    meta, _, payload = read_bundle(out, 4)
+    assert (meta["found_by"], meta["micro_batches"], meta["checkpoint"]) == ("state_check", 0, "checkpoint-2")
+    assert list(payload["state"]) == meta["nonfinite_state"] and len(meta["nonfinite_state"]) == 1
+    assert "before a save or an evaluation" in meta["note"], meta["note"]
+    assert main(["replay", out, "--step", "4"]) == 3
+    assert "nothing to replay forward" in capsys.readouterr().out
