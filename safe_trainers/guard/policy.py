@@ -149,9 +149,10 @@ def bundled_steps(verdict: Verdict) -> list[int]:
 
 def state_check_step(verdict: Verdict, at_step: int) -> int | None:
     """The step of a rollback that a check of the state found with no faulted step in its window (GRPO/RLOO's check
-    before a generation: the weights or optimizer state damaged after the last inspection, no step's loss or gradient
-    non-finite): `at_step`, the step it was found at, which its `rollback` event and replay bundle are numbered by;
-    `None` for any other verdict. Which step damaged the state is unknown."""
+    before a generation, or any trainer's check before a save or an evaluation after a callback changed the state
+    past the step's own check: the weights or optimizer state damaged after the last inspection, no step's loss or
+    gradient non-finite): `at_step`, the step it was found at, which its `rollback` event and replay bundle are
+    numbered by; `None` for any other verdict. Which step damaged the state is unknown."""
     return at_step if verdict.rollback == "nonfinite_state" and verdict.fault_step is None else None
 
 

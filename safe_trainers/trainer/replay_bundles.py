@@ -151,10 +151,11 @@ def state_check_meta(damaged_ranks: list[int]) -> dict[str, Any]:
     return {
         "found_by": "state_check", "fault_step": None, "damaged_ranks": sorted(damaged_ranks),
         "note": "The weights or optimizer state were found non-finite by the guard's check of the state (GRPO/RLOO: "
-                "before a generation), with no step's loss or gradient non-finite since the last inspection: which "
+                "before a generation; any trainer: before a save or an evaluation, after a callback ran past the "
+                "step's own check), with no step's loss or gradient non-finite since the last inspection: which "
                 "step damaged them is unknown (any since the last verified state), so the bundle holds no "
-                "micro-batches, only the non-finite entries, the last generation's rewards and the test faults "
-                "that fired at this step and at the step in progress.",
+                "micro-batches, only the non-finite entries, the last generation's rewards (GRPO/RLOO) and the test "
+                "faults that fired at this step and at the step in progress, if any.",
     }  # fmt: skip
 
 
