@@ -260,3 +260,19 @@ def test_an_offline_rollback_found_by_the_check_before_a_save_has_a_bundle_that_
     assert "before a save or an evaluation" in meta["note"], meta["note"]
     assert main(["replay", out, "--step", "4"]) == 3
     assert "nothing to replay forward" in capsys.readouterr().out
+
+
+def test_the_replay_of_a_poisoned_online_step_runs_no_forward_and_exits_3(tmp_path, capsys):
+    """A poisoned GRPO/RLOO step's bundle holds prompts only: no forward runs, so the replay exits 3 and says there
+    is nothing to replay forward (it exited 0, as if a replay had run, and printed `no module output went
+    non-finite`)."""
+    out = str(tmp_path)
+    os.makedirs(os.path.join(out, "checkpoint-2"))
+    open(os.path.join(out, "checkpoint-2", "model.safetensors"), "wb").close()  # never read: no trainer is built
+    meta = {"step": 3, "events": ["skip", "poison"], "kind": "grpo", "trainer_class": "GRPOTrainer",
+            "prepared": False, "micro_batches": 1}  # fmt: skip
+    write_bundle(out, 3, 0, {"micro_batches": {0: [{"prompt": "a"}]}, "state": {}, "faults": []}, meta, {})
+    assert main(["replay", out, "--step", "3"]) == 3
+    text = capsys.readouterr().out
+    assert "nothing to replay forward: a poisoned GRPO/RLOO step holds its prompts only" in text, text
+    assert "first non-finite module" not in text
