@@ -4,7 +4,7 @@ the CPU from the checkpoint before it and print the first non-finite module and 
 disagrees with the in-loop diagnosis, 2 when there is nothing to replay (no bundle, no checkpoint before the step, or
 one without loadable weights), 3 when the bundle holds no micro-batch to replay forward (a rollback the check of the
 state found with no faulted step): its non-finite entries are written over the checkpoint and listed, no forward
-runs."""
+runs; or a poisoned GRPO/RLOO step's bundle (prompts only, nothing to load or run)."""
 
 from __future__ import annotations
 

@@ -56,8 +56,8 @@ class Replayed:
         not_rearmed (`list[dict]`): the test faults that fired at the step but act on no forward pass (or, with no
             forward to run, all of them).
         state (`dict`): the bundle's non-finite state entries (name: shape, dtype, flat indices and values).
-        forward (`bool`): whether a forward ran: `False` for a bundle without micro-batches (`found["reason"]` says
-            why).
+        forward (`bool`): whether a forward ran: `False` for a bundle without micro-batches, or a poisoned GRPO/RLOO
+            step's (prompts only) (`found["reason"]` says why).
     """
 
     step: int
@@ -91,7 +91,7 @@ def replay(output_dir: str, step: int, checkpoint: str) -> Replayed:
     if not meta.get("prepared", True) and kind.online:
         found = {"module": None, "reason": "a poisoned GRPO/RLOO step holds its prompts only: its completions were "
                  "never generated, so there is no training forward to replay"}  # fmt: skip
-        return Replayed(step, meta, checkpoint, found)
+        return Replayed(step, meta, checkpoint, found, forward=False)
     with tempfile.TemporaryDirectory(prefix="safe-trainers-replay-") as work:
         trainer = rebuild_trainer(kind, checkpoint, args, work)
         model = trainer.model
