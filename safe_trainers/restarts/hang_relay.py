@@ -10,10 +10,10 @@ the event log (`nan_events.jsonl`), the timeline and the reporting to TensorBoar
    hands in a vector, `runtime/ports.py`): `SLOT` values per rank, this rank's slot filled ([`hang_slots`]: the
    hang's step + 1, its seconds and its bound), every other slot 0; the all-reduce's maximum is every rank's slot.
 3. Each rank reads the agreed values of step `s` at the end of step `s + READ_LAG`, as the preemption bits
-   (`AgreedBits`: on a GPU, copied to pinned host memory behind an event, long complete by then), and the main
-   process adds a `hang` event for each other rank whose slot is set ([`relayed_hangs`]): at the hang's step, with
-   `ranks=[r]`, the seconds, the bound, that rank's stacks file and `relayed_from=r`. Its own hangs are in the log
-   already (the watchdog adds them).
+   (`runtime/agreed_values.py`: on a GPU, copied to pinned host memory behind an event, long complete by then), and
+   the main process adds a `hang` event for each other rank whose slot is set ([`relayed_hangs`]): at the hang's
+   step, with `ranks=[r]`, the seconds, the bound, that rank's stacks file and `relayed_from=r`. Its own hangs are in
+   the log already (the watchdog adds them).
 4. At the end of training (the watchdog stopped) the hangs not relayed yet, and the agreed values not read yet, are
    read with one more all-reduce per `train()` call ([`HangRelay.train_ended`]). A `train()` left by an exception
    (a preemption's exit at the step every rank stops at, an abort) has no `on_train_end`: the values already agreed
@@ -39,7 +39,7 @@ import torch
 
 from ..runtime.collectives import distributed, max_across_ranks
 from ..runtime.events import EventLog, RunEvent
-from ..runtime.host_buffers import queue_host_copy
+from ..runtime.agreed_values import AgreedValues
 from .hang_report import stacks_path
 from .preemption import READ_LAG
 
@@ -101,7 +101,7 @@ class HangRelay:
         self._set = False  # `local` holds a hang (else zeros)
         self._lock = threading.Lock()  # `reported` comes from the watchdog's thread
         self._queued: deque[Hang] = deque()
-        self._agreed: deque[tuple[int, torch.Tensor, Any]] = deque()
+        self._agreed = AgreedValues()
 
     # ------------------------------------------------------------------ the watchdog's thread
     def reported(self, step: int, detail: dict[str, Any]) -> None:
@@ -141,14 +141,8 @@ class HangRelay:
         return self.local
 
     def agreed(self, step: int, values: torch.Tensor) -> None:
-        """Keep step `step`'s agreed values: on CUDA, copied to pinned host memory behind an event; elsewhere as is."""
-        if values.is_cuda:
-            host = queue_host_copy(torch.empty(values.shape, dtype=values.dtype, pin_memory=True), values)
-            event = torch.cuda.Event()
-            event.record()
-            self._agreed.append((step, host, event))
-        else:
-            self._agreed.append((step, values, None))
+        """Keep step `step`'s agreed values ([`AgreedValues`]: read a step later, no wait on the step just queued)."""
+        self._agreed.keep(step, values)
 
     # ------------------------------------------------------------------ reading back (the training loop)
     def step_ended(self, step: int) -> None:
@@ -180,16 +174,8 @@ class HangRelay:
         self._record(self._read_through(None, wait=False))
 
     def _read_through(self, step: int | None, wait: bool = True) -> list[list[float]]:
-        out = []
-        while self._agreed and (step is None or self._agreed[0][0] <= step):
-            _, values, event = self._agreed.popleft()
-            if event is not None:
-                if not wait and not event.query():
-                    continue
-                event.synchronize()  # on work queued a step ago (or more): long complete
-            if self.main:  # the other ranks record nothing
-                out.append(values.tolist())
-        return out
+        rows = self._agreed.read_through(step, wait)
+        return [values.tolist() for _, values in rows] if self.main else []  # the other ranks record nothing
 
     def _record(self, rows: list[list[float]]) -> None:
         if not self.main:

@@ -26,7 +26,6 @@ import logging
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 
 from ..runtime.collectives import distributed, ranks_with_flag
 from ..runtime.events import EventLog, RunEvent
-from ..runtime.host_buffers import queue_host_copy
+from ..runtime.agreed_values import AgreedValues
 from .deadline import Deadline
 
 logger = logging.getLogger("safe_trainers")
@@ -96,7 +95,7 @@ class AgreedBits:
         self.device = torch.device(device)
         self.local = torch.zeros((), dtype=torch.bool, device=self.device)
         self._value = False
-        self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+        self._agreed = AgreedValues()
 
     def local_bit(self, value: bool) -> torch.Tensor:
         """This rank's bit for the step closing now (a `fill_` only when it changes: no transfer, no sync)."""
@@ -106,24 +105,12 @@ class AgreedBits:
         return self.local
 
     def agreed(self, step: int, bit: torch.Tensor) -> None:
-        """Keep step `step`'s agreed bit: on CUDA, copied to pinned host memory behind an event; elsewhere as is."""
-        if self.device.type == "cuda":
-            host = queue_host_copy(torch.empty((), dtype=torch.bool, pin_memory=True), bit)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending.append((step, host, event))
-        else:
-            self._pending.append((step, bit, None))
+        """Keep step `step`'s agreed bit ([`AgreedValues`]: read a step later, no wait on the step just queued)."""
+        self._agreed.keep(step, bit)
 
     def read_through(self, step: int) -> list[tuple[int, bool]]:
         """The agreed bits of the steps up to `step` (their copies are complete by now: the wait is on old work)."""
-        out = []
-        while self._pending and self._pending[0][0] <= step:
-            at, value, event = self._pending.popleft()
-            if event is not None:
-                event.synchronize()
-            out.append((at, bool(value)))
-        return out
+        return [(at, bool(value)) for at, value in self._agreed.read_through(step)]
 
 
 class Preemption:

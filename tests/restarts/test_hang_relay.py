@@ -62,7 +62,7 @@ def test_a_vector_rides_the_guards_all_reduce_between_bits(tmp_path):
     flags.end_step(3, torch.tensor(0.5), CPU, riders=[before, relays[1], after])
     assert [(s, b.dtype, bool(b)) for s, b in before.got] == [(3, torch.bool, True)]
     assert [(s, bool(b)) for s, b in after.got] == [(3, False)]  # after the vector: its slice is skipped over
-    assert relays[1]._agreed[0][1].tolist() == [0.0, 0.0, 0.0, 4.0, 4.5, 3.0]
+    assert relays[1]._agreed.pending[0][1].tolist() == [0.0, 0.0, 0.0, 4.0, 4.5, 3.0]
 
 
 def run_steps(relays, steps):
