@@ -131,7 +131,7 @@ def test_a_hang_on_rank_1_only_reaches_rank_0s_event_log_and_tensorboard(tmp_pat
         (3, [1], 1, False), (6, [1], 1, False),
     ]  # fmt: skip
     assert all(e["stacks"] == str(run / "hang-stacks-rank1.txt") and e["bound"] == 3.0 for e in hangs)
-    assert all(e["seconds"] > 3.0 for e in hangs)
+    assert all(e["seconds"] >= e["bound"] for e in hangs)  # past the bound, rounded to 0.1 s (3.04 reads 3.0)
     accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()
     assert [s.step for s in accumulator.Scalars("nan_guard/events/hang")] == [3, 6]
