@@ -134,9 +134,8 @@ class HangRelay:
             self.local.zero_()
             self._set = False
         if hang is not None:
-            start = SLOT * self.rank
-            for index, value in enumerate(hang_slots(self.rank, self.world_size, hang)[start : start + SLOT]):
-                self.local[start + index].fill_(value)
+            for index, value in enumerate((hang.step + 1, hang.seconds, hang.bound), start=SLOT * self.rank):
+                self.local[index].fill_(float(value))  # the slot `hang_slots` gives this rank
             self._set = True
         return self.local
 
