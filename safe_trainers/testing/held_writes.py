@@ -32,8 +32,10 @@ class HeldWrites(BackgroundSaves):
         self.before_writing = before_writing
         self.holding = threading.Event()
         self.released = threading.Event()
+        self.started: list[int] = []  # the steps of the checkpoints handed to the writer, in order
 
     def start(self, pending: PendingSave, writes, ready: Callable[[], None]) -> None:
+        self.started.append(pending.step)
         if not self.before_writing:
             return super().start(pending, writes, ready)
 

@@ -32,7 +32,6 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..restarts.background_save import BackgroundSaves, CheckpointWriteError
 from ..restarts.output_lock import publishes_here
-from ..rules.memory import saves_nothing
 from ..runtime.collectives import distributed, max_across_ranks, ranks_with_flag
 from ..runtime.host_staging import prepare_staging
 from ..runtime.saved_weights import written_part
@@ -163,13 +162,27 @@ def prepare_buffers(trainer: Any) -> None:
     if saves is None or saves.buffers.prepared or trainer.state.global_step < 1 or not saves_in_background(trainer):
         return
     saves.buffers.prepared = True
-    if saves_nothing(trainer.args) or not publishes_here(trainer.args, run.output_lock):
+    if not saves_before_the_end(trainer.args, trainer.state) or not publishes_here(trainer.args, run.output_lock):
         return
     weights = written_part(trainer.model, trainer.model.state_dict())
     if weights is not None:  # else written on the training thread (prompt-learning PEFT)
         prepare_staging(weights, saves.buffers.model)
     if not trainer.args.save_only_model:
         prepare_staging(trainer.optimizer.state_dict(), saves.buffers.optimizer)
+
+
+def saves_before_the_end(args: Any, state: Any) -> bool:
+    """Whether the Trainer's schedule may save before the run's last step: only such a save is written in the
+    background (the last one is written in line, `CheckpointHooks._save_checkpoint`), so only then are the host
+    buffers prepared. `"best"` saves whenever the metric improves; an unknown strategy is taken to save. A save a
+    callback asks for off this schedule still goes to the background, its buffers allocated on its own path."""
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    before_the_end = {
+        "no": False,
+        "steps": bool(state.save_steps) and state.save_steps < state.max_steps,
+        "epoch": state.num_train_epochs > 1,
+    }
+    return before_the_end.get(strategy, True)
 
 
 def training_stops_here(trainer: Any) -> bool:
@@ -182,5 +195,5 @@ def training_stops_here(trainer: Any) -> bool:
 
 __all__ = [
     "SaveAwareCallbackHandler", "announce", "announce_if_written", "announce_on_error", "prepare_buffers",
-    "saves_in_background", "train_began", "training_stops_here",
+    "saves_before_the_end", "saves_in_background", "train_began", "training_stops_here",
 ]  # fmt: skip

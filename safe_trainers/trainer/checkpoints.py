@@ -25,7 +25,7 @@ from ..runtime.checkpoint_dirs import STAGING_DIR, checked_staging, checkpoint_d
 from ..runtime.finite import all_finite
 from ..runtime.host_staging import stage_to_host
 from ..runtime.saved_weights import written_part
-from .background_checkpoints import announce, saves_in_background
+from .background_checkpoints import announce, saves_in_background, training_stops_here
 from .hooks_ran import verify_hooks
 from .run import SafeRun
 
@@ -51,7 +51,8 @@ class CheckpointHooks:
     def _save_checkpoint(self, model, trial) -> None:
         """Write the checkpoint to a staging directory, then rename it: never half-written, never non-finite. With
         `save_in_background=True` only the host copy is made here; the writer thread writes, checks and publishes
-        (`background_checkpoints.py`), and the readers are told once it is published."""
+        (`background_checkpoints.py`), and the readers are told once it is published; except at a step the loop ends
+        after, whose save is written here (nothing would train while it is written)."""
         run = self.safe_run
         guard = run.guard
         if guard is None:
@@ -70,7 +71,9 @@ class CheckpointHooks:
         checked_staging(run_dir, create=True)  # a real directory of this user's, never a link
         publishes = publishes_here(self.args, run.output_lock)
         uploads = self.args.push_to_hub and not run.hooks.starting_checkpoint  # the starting state stays local
-        background = saves_in_background(self)  # on every rank alike; only a publishing rank defers its writes
+        # On every rank alike; only a publishing rank defers its writes. A save the loop ends after (the last step, a
+        # preemption's stopping step) is written in line: `train()` would wait for it at once, after a needless copy.
+        background = saves_in_background(self) and not training_stops_here(self)
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside staging: ours below
         run.hooks.staging, run.hooks.deferred = True, [] if background and publishes else None
         try:

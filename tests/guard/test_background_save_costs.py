@@ -5,6 +5,11 @@ on the toy model, the writer held mid-checkpoint (`safe_trainers/testing/held_wr
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
+
+import pytest
+from transformers import TrainerCallback
+from transformers.trainer_utils import SaveStrategy
 
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.held_writes import hold_until_waited
@@ -121,3 +126,55 @@ def test_a_prompt_learning_adapter_is_saved_as_it_was_at_its_step(toy_models, tm
     saved = load_file(os.path.join(str(tmp_path), "checkpoint-2", "adapter_model.safetensors"))["prompt_embeddings"]
     assert not torch.equal(at_step[2], at_step[4]), "the prompt encoder did not train between the two saves"
     torch.testing.assert_close(saved, at_step[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "save_steps", "in_background", "buffers"),
+    [(4, 4, [], 0), (8, 4, [4], 1)],
+    ids=["only-the-last-step", "a-save-before-the-last"],
+)
+def test_the_last_checkpoint_is_written_in_line_and_buffers_are_prepared_only_for_earlier_ones(
+    toy_models, tmp_path, max_steps, save_steps, in_background, buffers
+):
+    # `train()` waits for the last step's checkpoint at once: staging it to host memory first would only add a copy
+    # (and a read-back check) to the run. A run whose only save is its last step holds no staging buffers at all.
+    from guard_utils import checkpoint_steps
+
+    from safe_trainers.testing.held_writes import hold_writes
+
+    trainer = build_trainer(
+        "dpo", toy_models["qwen2"], str(tmp_path), preset="guarded", save_in_background=True, max_steps=max_steps,
+        save_steps=save_steps,
+    )  # fmt: skip
+    held = hold_writes(trainer, step=-1)  # holds nothing: records what reaches the writer
+    allocations = {}
+
+    class AtTheEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            allocations.update(model=held.buffers.model.allocations, optimizer=held.buffers.optimizer.allocations)
+
+    trainer.add_callback(AtTheEnd())
+    trainer.train()
+    assert held.started == in_background
+    assert allocations == dict(model=buffers, optimizer=buffers)
+    assert checkpoint_steps(str(tmp_path)) == list(range(save_steps, max_steps + 1, save_steps))
+    assert os.path.isfile(os.path.join(str(tmp_path), f"checkpoint-{max_steps}", "optimizer.pt"))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "state", "expected"),
+    [
+        ("no", dict(save_steps=4, max_steps=8, num_train_epochs=2), False),
+        ("steps", dict(save_steps=4, max_steps=8, num_train_epochs=1), True),
+        ("steps", dict(save_steps=8, max_steps=8, num_train_epochs=3), False),
+        ("steps", dict(save_steps=500, max_steps=8, num_train_epochs=1), False),
+        ("epoch", dict(save_steps=500, max_steps=8, num_train_epochs=1), False),
+        ("epoch", dict(save_steps=500, max_steps=8, num_train_epochs=2), True),
+        ("best", dict(save_steps=500, max_steps=8, num_train_epochs=1), True),
+        (SaveStrategy.STEPS, dict(save_steps=2, max_steps=8, num_train_epochs=1), True),
+    ],
+)
+def test_buffers_are_prepared_only_when_the_schedule_saves_before_the_last_step(strategy, state, expected):
+    from safe_trainers.trainer.background_checkpoints import saves_before_the_end
+
+    assert saves_before_the_end(SimpleNamespace(save_strategy=strategy), SimpleNamespace(**state)) is expected

@@ -110,9 +110,11 @@ def test_the_best_checkpoint_in_flight_is_published_before_it_is_loaded_and_neve
 
 
 def test_a_preemption_exits_only_once_its_checkpoint_is_published(toy_models, tmp_path):
+    # checkpoint-2 is written in the background and held; a preemption stops the run at step 3, whose checkpoint is
+    # written in line (the loop ends after it: a host copy would only delay the exit). The exit waits for both.
     out = str(tmp_path)
     trainer = build_trainer("sft", toy_models["qwen2"], out, preset="guarded",
-        save_in_background=True, max_steps=8, save_steps=100)
+        save_in_background=True, max_steps=8, save_steps=2)
 
     class SignalAt3(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -120,12 +122,13 @@ def test_a_preemption_exits_only_once_its_checkpoint_is_published(toy_models, tm
                 os.kill(os.getpid(), signal.SIGUSR1)
 
     trainer.add_callback(SignalAt3())
-    held = hold_writes(trainer, step=3, on_hold=lambda: threading.Timer(0.5, lambda: held.release()).start())
+    held = hold_writes(trainer, step=2, on_hold=lambda: threading.Timer(0.5, lambda: held.release()).start())
     with pytest.raises(Preempted) as caught:
         trainer.train()
-    assert caught.value.step == 3 and held.holding.is_set()
-    assert checkpoint_steps(out) == [3] and all(os.path.isfile(os.path.join(out, "checkpoint-3", f)) for f in FILES)
-    assert trainer.safe_run.progress.history.checkpoints == (3,)
+    assert caught.value.step == 3 and held.holding.is_set() and held.started == [2]
+    for step in (2, 3):
+        assert all(os.path.isfile(os.path.join(out, f"checkpoint-{step}", f)) for f in FILES)
+    assert checkpoint_steps(out) == [2, 3] and trainer.safe_run.progress.history.checkpoints == (2, 3)
 
 
 def test_stock_trainer_resumes_from_a_checkpoint_written_in_the_background(toy_models, tmp_path):
