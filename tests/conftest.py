@@ -11,6 +11,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs on pytest-xdist workers (pyproject.toml's `addopts`): one torch thread each, set before torch is
+# imported, so that two workers' thread pools do not fight over the cores (the tiny models gain nothing from more).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -77,10 +81,22 @@ def config_only_model(toy_models, tmp_path):
     return str(path)
 
 
+# Tests that run one at a time on one xdist worker (`--dist loadgroup`), whatever the others run: a launch of several
+# ranks already takes every core (`distributed`), and the GPU tests time steps on the one device (`tests/gpu`, whose
+# own conftest marks them `gpu`).
+ONE_AT_A_TIME = {"distributed": "launches", "gpu": "device"}
+GPU_TESTS = Path(__file__).resolve().parent / "gpu"
+
+
 def pytest_collection_modifyitems(config, items):
     """`slow` marks every test that trains a real trainer (it asks for the tiny saved models, `toy_models`) or
     launches processes (`distributed`), on top of the modules that mark themselves: `python -m pytest -m "not slow"`
-    runs the rest, the unit tests, in a few minutes; CI runs everything (`python -m pytest`)."""
+    runs the rest, the unit tests, in a few minutes; CI runs everything (`python -m pytest`). The tests of each group
+    of [`ONE_AT_A_TIME`] run one after the other on one worker."""
     for item in items:
         if "toy_models" in item.fixturenames or item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.slow)
+        markers = {m.name for m in item.iter_markers()} | ({"gpu"} if GPU_TESTS in item.path.parents else set())
+        groups = [group for marker, group in ONE_AT_A_TIME.items() if marker in markers]
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(groups[0]))
