@@ -12,10 +12,15 @@ HOST_MEMORY_SHARE = 0.5
 GIB = 2**30
 
 
-def saves_nothing(args) -> bool:
-    """`save_strategy="no"` (a string, or transformers' `SaveStrategy` enum)."""
+def save_strategy(args) -> str:
+    """`args.save_strategy` as a string (it is a string, or transformers' `SaveStrategy` enum); `"steps"` when unset."""
     strategy = getattr(args, "save_strategy", "steps")
-    return str(getattr(strategy, "value", strategy)) == "no"
+    return str(getattr(strategy, "value", strategy))
+
+
+def saves_nothing(args) -> bool:
+    """`save_strategy="no"`."""
+    return save_strategy(args) == "no"
 
 
 class SnapshotFits(Rule):

@@ -32,6 +32,7 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..restarts.background_save import BackgroundSaves, CheckpointWriteError
 from ..restarts.output_lock import publishes_here
+from ..rules.memory import save_strategy
 from ..runtime.collectives import distributed, max_across_ranks, ranks_with_flag
 from ..runtime.host_staging import prepare_staging
 from ..runtime.saved_weights import written_part
@@ -176,13 +177,12 @@ def saves_before_the_end(args: Any, state: Any) -> bool:
     background (the last one is written in line, `CheckpointHooks._save_checkpoint`), so only then are the host
     buffers prepared. `"best"` saves whenever the metric improves; an unknown strategy is taken to save. A save a
     callback asks for off this schedule still goes to the background, its buffers allocated on its own path."""
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
     before_the_end = {
         "no": False,
         "steps": bool(state.save_steps) and state.save_steps < state.max_steps,
         "epoch": state.num_train_epochs > 1,
     }
-    return before_the_end.get(strategy, True)
+    return before_the_end.get(save_strategy(args), True)
 
 
 def training_stops_here(trainer: Any) -> bool:
