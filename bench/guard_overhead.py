@@ -127,6 +127,8 @@ class Measurement:
     device_extra: float | None  # peak device memory, safe - stock (GPU only)
     spike_factor: float = 0.0  # the guarded runs' `nan_spike_factor`
     intervals: list[list[int]] = field(default_factory=list)  # each safe run's snapshot intervals, as chosen
+    taken: list[list[int]] = field(default_factory=list)  # each safe run's snapshot steps
+    spent: list[float] = field(default_factory=list)  # each safe run's snapshot work, wall seconds (the guard's own)
 
 
 def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measurement:
@@ -157,6 +159,8 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
             restore_times.extend(restored)
             held = trainer.nan_guard.snapshotter.snapshot
             seen.setdefault("intervals", []).append(chosen_intervals(trainer.nan_guard))
+            seen.setdefault("taken", []).append(list(trainer.nan_guard.interval.taken_at))
+            seen.setdefault("spent", []).append(trainer.nan_guard.interval.spent_seconds)
             seen.update(
                 held_bytes=snapshot_bytes(held), held_pinned=pinned_bytes(held),
                 params=sum(p.numel() for p in trainer.model.parameters()),
@@ -190,6 +194,8 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
         device_extra=extra,
         spike_factor=seen["spike_factor"],
         intervals=seen["intervals"],
+        taken=seen["taken"],
+        spent=seen["spent"],
     )
 
 
@@ -216,6 +222,8 @@ def report(m: Measurement) -> None:
           f"~{ns.seq} tokens, {device_name()}, optim={m.optim}, nan_spike_factor={m.spike_factor}")
     shape = run_shape(ns.steps, ns.logging_steps, ns.save_steps, ns.snapshot_steps)
     print(f"snapshot intervals the guard chose, per safe run: {m.intervals}")
+    print(f"snapshots taken (steps), per safe run: {m.taken}; the guard's own account of its snapshot work (checks, "
+          f"copies, buffer allocations), per safe run: {', '.join(f'{s:.2f}' for s in m.spent)} s of wall time")
     print(
         f"{ns.rounds} interleaved rounds of one whole `train()` call each ({shape}); headline: the summed whole-run "
         f"times, safe / stock (per round: {', '.join(f'{r:.3f}' for r in runs.round_ratios)}); "

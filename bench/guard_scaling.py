@@ -92,6 +92,9 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
         timer = StepTimer(clock)
         trainer.add_callback(timer)
         whole = timed_train(trainer, clock)
+        if kind == "safe":  # the guard's own account of its snapshot work in this run (wall seconds)
+            seen.setdefault("spent", []).append(trainer.nan_guard.interval.spent_seconds)
+            seen.setdefault("snapshots", []).append(list(trainer.nan_guard.interval.taken_at))
         if kind == "safe" and "taken" not in seen:
             seen["taken"], seen["restored"] = time_snapshot(trainer, ns.repeats, clock)
             seen["held"] = snapshot_bytes(trainer.nan_guard.snapshotter.snapshot)
@@ -112,6 +115,9 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
         f"{runs.mean_run('stock'):.2f}",
         f"{runs.mean_run('safe'):.2f}",
         f"{runs.whole_ratio:.3f}",
+        ", ".join(f"{r:.3f}" for r in runs.round_ratios),
+        f"{statistics.mean(seen['spent']):.2f}",
+        "; ".join(" ".join(str(s) for s in steps) for steps in seen["snapshots"]),
         f"{runs.median_step('stock') * 1e3:.0f}",
         f"{runs.median_step('safe') * 1e3:.0f}",
         f"{runs.step_ratio:.3f}",
@@ -128,6 +134,9 @@ HEADER = [
     "stock run (s)",
     "safe run (s)",
     "whole run, safe / stock",
+    "per round",
+    "snapshot work per safe run (wall s)",
+    "snapshot steps (each safe run)",
     "stock step (ms)",
     "safe step (ms)",
     "per-step median ratio",

@@ -43,8 +43,9 @@ class SafetyArguments:
         many steps (10 when unset) whatever the interval.
     nan_snapshot_budget (`float`, *optional*, defaults to `0.01`):
         The fraction of the run's wall time the snapshots (a state check and a copy of the state) may take: the
-        interval between them adapts to it, measured at run time, from `nan_snapshot_steps` up to the checkpoint
-        interval (`save_steps`). A rollback goes back at most that interval. `0` keeps a fixed interval.
+        interval between them adapts to it (aiming at half of it, a margin for the error of the measured figures),
+        measured at run time, from `nan_snapshot_steps` up to the checkpoint interval (`save_steps`). A rollback goes
+        back at most that interval. `0` keeps a fixed interval.
     nan_rollback_from (`str`, *optional*, defaults to `"memory"`):
         Where a rollback takes the last good state from: `"memory"` (the host copy above) or `"checkpoint"` (the
         newest verified checkpoint on disk: no host copy, a slower restore, and the steps since that checkpoint are

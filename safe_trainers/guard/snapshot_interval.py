@@ -5,15 +5,18 @@ each snapshot measures its own cost (the host time of its check and copy, plus t
 `RollbackSource.copy_delay_seconds`; not the time it spent allocating host buffers, a one-time cost) and the wall time
 per step since the previous one (snapshots excluded), every rank's largest figure is agreed at the snapshot (where the
 ranks meet anyway), and [`choose_interval`] turns the medians of the last [`HISTORY`] figures into the interval:
-`ceil(cost / (budget * step_time))`, at least `nan_snapshot_steps` when set (else 1), at most the checkpoint interval
-(`save_steps`). Every rank then decides the same from the same figures. It grows at once when the budget asks for it,
+`ceil(cost / (AIM * budget * step_time))`, at least `nan_snapshot_steps` when set (else 1), at most the checkpoint
+interval (`save_steps`). The interval aims at [`AIM`] (half) of the budget, because the budget is a bound and the
+figures are estimates: one check + snapshot of the same 189.6M-parameter state took 553 to 857 ms in four runs of
+the same bench (`docs/guard.md`, "The cost as runs grow"), so an interval aimed at the whole budget would exceed it in
+some runs. Every rank then decides the same from the same figures. It grows at once when the budget asks for it,
 and shrinks only when the figures ask for at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not
 make it swing. The first decision comes before the second snapshot ([`SnapshotInterval.estimate`]): from the first
 snapshot's cost (taken before the first step, it holds no optimizer moments yet) scaled to the state's bytes now, so a
 run whose snapshots are dear pays for one at the start, not for several while it measures. The one-time costs (the
-first snapshot, the buffers' allocations) count against the budget too: what the snapshots so far took beyond `budget
-x` the wall time since training started ([`SnapshotInterval.debt`]) is added to the next snapshot's cost when an
-interval is chosen, so they stretch the next interval instead of the run. `nan_snapshot_budget=0` keeps a fixed
+first snapshot, the buffers' allocations) count against the budget too: what the snapshots so far took beyond `AIM x
+budget x` the wall time since training started ([`SnapshotInterval.debt`]) is added to the next snapshot's cost when
+an interval is chosen, so they stretch the next interval instead of the run. `nan_snapshot_budget=0` keeps a fixed
 interval: `nan_snapshot_steps` (10 when unset).
 
 The flag reads (one cheap transfer of the per-step fault flags) keep the short cadence (`nan_snapshot_steps`, else
@@ -40,12 +43,14 @@ logger = logging.getLogger("safe_trainers")
 
 DEFAULT_STEPS = 10  # the interval to start with, and the flag-read cadence, when `nan_snapshot_steps` is not set
 HISTORY = 5  # the figures a decision takes the median of
+AIM = 0.5  # the share of the budget the chosen interval aims at (the figures are estimates; the budget is a bound)
 SHRINK = 1.25  # the interval shrinks only when the figures ask for at least this factor fewer steps
 LONGEST = 10**9  # an interval with no upper bound: snapshots at saves, evaluations and the end only
 
 
 def choose_interval(cost: float, step_time: float, budget: float, lower: int, upper: int | None) -> int:
-    """The interval (in optimizer steps) whose snapshots take at most `budget` of the wall time, within the bounds.
+    """The interval (in optimizer steps) whose snapshots take at most `budget` of the wall time, within the bounds:
+    the interval aims at [`AIM`] of `budget`, a margin for the error of the figures.
 
     Args:
         cost (`float`): seconds one snapshot takes (its check and copy).
@@ -59,7 +64,7 @@ def choose_interval(cost: float, step_time: float, budget: float, lower: int, up
         return min(lower, top)
     if not (math.isfinite(cost) and math.isfinite(step_time)) or step_time <= 0:
         return top if cost > 0 else lower
-    needed = math.ceil(cost / (budget * step_time)) if cost > 0 else 1
+    needed = math.ceil(cost / (AIM * budget * step_time)) if cost > 0 else 1
     return min(max(needed, lower), top)
 
 
@@ -116,10 +121,17 @@ class SnapshotInterval:
         self._host = 0.0  # host seconds of snapshot work since the mark
         self._spent = 0.0  # seconds of snapshot work since training started, allocations and the first included
         self._began = time.perf_counter()  # when training started
+        self.taken_at: list[int] = []  # the steps of the snapshots taken since training started
 
     @property
     def adaptive(self) -> bool:
         return self.budget > 0
+
+    @property
+    def spent_seconds(self) -> float:
+        """The wall seconds of snapshot work since training started: every check and copy, the first snapshot and
+        the host buffers' allocations included (what [`debt`] weighs against the budget)."""
+        return self._spent
 
     def start(self, config: Any, state: Any, say: bool = True, held: Callable[[], int] | None = None) -> str:
         """Training starts: set the bounds (`config`: `TrainingArguments`, `state`: the `TrainerState`) and the
@@ -132,7 +144,7 @@ class SnapshotInterval:
         self.costs.clear()
         self.step_times.clear()
         self.decided, self._mark, self._first, self._host = False, None, None, 0.0
-        self._spent, self._began = 0.0, time.perf_counter()
+        self._spent, self._began, self.taken_at = 0.0, time.perf_counter(), []
         bounds = f"{self.lower} to {self.upper} steps (`save_steps`)" if self.upper else f"at least {self.lower} steps"
         started = f"NaN guard: a snapshot every {self.steps} steps (`nan_snapshot_budget=0`: a fixed interval)."
         if not fixed:
@@ -168,6 +180,7 @@ class SnapshotInterval:
         the same step again)."""
         now, mark, cost = time.perf_counter(), self._mark, self._host + (delay or 0.0)
         self._mark, self._host = (now, step), 0.0
+        self.taken_at.append(step)
         if mark is None and self.held is not None:
             self._first = (cost, self.held())
         if mark is None or step <= mark[1] or not self.adaptive:
@@ -210,9 +223,10 @@ class SnapshotInterval:
         self.decide(step, agreed((cost, step_time, self.debt()), port.device), events, estimated=True)
 
     def debt(self) -> float:
-        """The seconds the snapshots so far took beyond the budget's share of the wall time since training started
-        (the first snapshot and the buffers' allocations included); the next interval stretches to pay it back."""
-        return max(self._spent - self.budget * (time.perf_counter() - self._began), 0.0)
+        """The seconds the snapshots so far took beyond the aimed share ([`AIM`] of the budget) of the wall time since
+        training started (the first snapshot and the buffers' allocations included); the next interval stretches to
+        pay it back."""
+        return max(self._spent - AIM * self.budget * (time.perf_counter() - self._began), 0.0)
 
     def after_snapshot(self, state: Any, source: Any, port: Any, events: EventLog) -> None:
         """A snapshot was just taken (`state`: the `TrainerState`; `source`: the [`RollbackSource`] that took it, for
@@ -234,4 +248,4 @@ def agreed(figures: tuple[float, ...], device: Any) -> tuple[float, ...]:
     return tuple(max_across_ranks(torch.tensor(figures, dtype=torch.float64, device=device)).tolist())
 
 
-__all__ = ["SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval"]
+__all__ = ["AIM", "SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval"]

@@ -28,7 +28,11 @@ PREEMPTION = ["--hidden", "32", "--layers", "1", "--seq", "16", "--batch", "2", 
 @pytest.mark.parametrize(
     "script,args,expected",
     [
-        ("guard_scaling.py", TINY + SCALING, ("snapshot held", "whole run, safe / stock", "per-step median ratio")),
+        (
+            "guard_scaling.py",
+            TINY + SCALING,
+            ("snapshot held", "whole run, safe / stock", "per-step median ratio", "snapshot work per safe run"),
+        ),
         ("guard_memory.py", MEMORY, "guard extra"),
         ("finite_check.py", FINITE, "catches a NaN"),
         ("spike_false_skips.py", SPIKES, "all skipped"),
@@ -57,3 +61,6 @@ def test_guard_overhead_prints_each_workload_with_its_whole_run_headline():
     assert len(headlines) == 2 and all(line.rstrip(" |").split()[-1][0].isdigit() for line in headlines)
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert all(any(e in line for line in table) for e in ("rollback", "per-step median ratio")), done.stdout[-3000:]
+    account = "snapshots taken (steps), per safe run: [[0"
+    accounts = [line for line in done.stdout.splitlines() if line.startswith(account)]
+    assert len(accounts) == 2, done.stdout[-3000:]  # each workload's safe runs snapshot at step 0 first

@@ -56,7 +56,7 @@ def test_ranks_given_the_same_agreed_figures_choose_the_same_interval(tmp_path):
     figures = (0.001, 0.1, 0.01)
     early.decide(10, figures, EventLog(str(tmp_path / "e0"), write=False))
     late.decide(10, figures, EventLog(str(tmp_path / "e1"), write=False))
-    assert early.steps == late.steps == 11  # ceil((1 + 10 ms) / (1% x 100 ms))
+    assert early.steps == late.steps == 22  # ceil((1 + 10 ms) / (half of 1% x 100 ms))
 
 
 @settings(max_examples=10, deadline=None)
