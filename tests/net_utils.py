@@ -5,13 +5,54 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import random
 import socket
 import threading
 
 
+# Rendezvous ports come from below the OS's ephemeral range, a block of its own for each xdist worker: two launches
+# run at once (one per queue, tests/conftest.py), and between picking a port and binding it a launch spends seconds
+# importing; no connection the other launch's ranks open (the OS picks those in the ephemeral range) and no port the
+# other worker picks can take it meanwhile.
+PORT_BLOCK = 2000
+FIRST_PORT = 20000
+
+
+def ephemeral_start() -> int:
+    """The first port the OS hands out for outgoing connections and `bind(0)` (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def worker_ports(worker: str, ephemeral: int) -> range:
+    """The ports xdist worker `worker` (`gw0`, `gw1`, ...; `""` without xdist) picks from: a block below
+    `ephemeral`, or an empty range when no block fits."""
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    start = FIRST_PORT + index * PORT_BLOCK
+    return range(start, min(start + PORT_BLOCK, ephemeral))
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now (the OS's pick, released at once): free for a rendezvous, and
-    refused to a client until something binds it."""
+    """A port on 127.0.0.1 that nothing listens on now, from this worker's block ([`worker_ports`]; the OS's pick when
+    every port there is taken), released at once: free for a rendezvous, and refused to a client until something
+    binds it."""
+    ports = worker_ports(os.environ.get("PYTEST_XDIST_WORKER", ""), ephemeral_start())
+    for port in random.sample(ports, min(len(ports), 64)):
+        if bindable(port):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
