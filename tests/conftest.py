@@ -81,12 +81,14 @@ def config_only_model(toy_models, tmp_path):
     return str(path)
 
 
-# Tests that run one at a time on one xdist worker (`--dist loadgroup`), whatever the others run: the GPU tests time
-# steps on the one device (`tests/gpu`, whose own conftest marks them `gpu`), and the launches of several ranks
-# (`distributed`) go in two queues, at most one launch from each at a time. One queue was the suite's critical path
-# (1,915 s of a 2,072 s run on two workers, the other worker idle for its last ~500 s); split by topic, the crash,
-# restart, preemption and hang launches (`tests/restarts`, ~900 s) and the rest (~1,000 s) run beside each other.
-ONE_AT_A_TIME = {"distributed": "launches", "gpu": "device"}
+# Tests that run one after the other on one xdist worker (`--dist loadgroup`), whatever the others run: the launches
+# of several ranks (`distributed`) go in two queues, at most one launch from each at a time, and the GPU tests, which
+# time steps on the one device (`tests/gpu`, whose own conftest marks them `gpu`), join the first. One queue was the
+# suite's critical path (1,915 s of a 2,072 s run on two workers, the other worker idle for its last ~500 s); split by
+# topic, the crash, restart, preemption and hang launches (`tests/restarts`, ~900 s) and the rest (~1,000 s) run
+# beside each other. pytest-xdist hands out the largest queues first, one to each worker; a third queue (the GPU
+# tests alone) would have sent both launch queues to the same worker.
+ONE_AT_A_TIME = {"distributed": "launches", "gpu": "launches"}
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
 RESTART_TESTS = Path(__file__).resolve().parent / "restarts"
 
