@@ -81,35 +81,10 @@ def config_only_model(toy_models, tmp_path):
     return str(path)
 
 
-# Tests that run one after the other on one xdist worker (`--dist loadgroup`), whatever the others run: the launches
-# of several ranks (`distributed`) go in two queues, at most one launch from each at a time, and the GPU tests, which
-# time steps on the one device (`tests/gpu`, whose own conftest marks them `gpu`), join the first. One queue was the
-# suite's critical path (1,915 s of a 2,072 s run on two workers, the other worker idle for its last ~500 s); split by
-# topic, the crash, restart, preemption and hang launches (`tests/restarts`, ~900 s) and the rest (~1,000 s) run
-# beside each other. pytest-xdist hands out the largest queues first, one to each worker; a third queue (the GPU
-# tests alone) would have sent both launch queues to the same worker.
-ONE_AT_A_TIME = {"distributed": "launches", "gpu": "launches"}
-GPU_TESTS = Path(__file__).resolve().parent / "gpu"
-RESTART_TESTS = Path(__file__).resolve().parent / "restarts"
-
-
-def xdist_group(markers: set[str], path: Path) -> str | None:
-    """The queue of [`ONE_AT_A_TIME`] a test with `markers` at `path` runs in, if any."""
-    groups = [group for marker, group in ONE_AT_A_TIME.items() if marker in markers]
-    if not groups:
-        return None
-    return f"{groups[0]}-restarts" if groups[0] == "launches" and RESTART_TESTS in path.parents else groups[0]
-
-
 def pytest_collection_modifyitems(config, items):
     """`slow` marks every test that trains a real trainer (it asks for the tiny saved models, `toy_models`) or
     launches processes (`distributed`), on top of the modules that mark themselves: `python -m pytest -m "not slow"`
-    runs the rest, the unit tests, in a few minutes; CI runs everything (`python -m pytest`). The tests of each queue
-    ([`xdist_group`]) run one after the other on one worker."""
+    runs the rest, the unit tests, in a few minutes; CI runs everything (`python -m pytest`)."""
     for item in items:
         if "toy_models" in item.fixturenames or item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.slow)
-        markers = {m.name for m in item.iter_markers()} | ({"gpu"} if GPU_TESTS in item.path.parents else set())
-        group = xdist_group(markers, item.path)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))

@@ -10,6 +10,8 @@ add `-rP` to see it), not asserted; the safe side is asserted strictly.
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,21 @@ import torch
 
 
 HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def one_test_on_the_device(tmp_path_factory):
+    """The tests here time steps and copies on the one device: under pytest-xdist (the suite's two workers) each holds
+    an exclusive lock for its duration, so no other GPU test runs beside it. A file lock, not an `xdist_group`: the
+    group is silently ignored with pytest 9.2 (pytest-dev/pytest-xdist#1386)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common folder
+    with open(shared / "device.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_collection_modifyitems(config, items):
