@@ -154,13 +154,14 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
         if torch.cuda.is_available():
             peak_memory[kind].append(torch.cuda.max_memory_allocated())
         if kind == "safe":
+            # The guard's own account of the run, read before `time_snapshot` adds its timed snapshots to it.
+            seen.setdefault("taken", []).append(list(trainer.nan_guard.interval.taken_at))
+            seen.setdefault("spent", []).append(trainer.nan_guard.interval.spent_seconds)
             taken, restored = time_snapshot(trainer)
             snapshot_times.extend(taken)
             restore_times.extend(restored)
             held = trainer.nan_guard.snapshotter.snapshot
             seen.setdefault("intervals", []).append(chosen_intervals(trainer.nan_guard))
-            seen.setdefault("taken", []).append(list(trainer.nan_guard.interval.taken_at))
-            seen.setdefault("spent", []).append(trainer.nan_guard.interval.spent_seconds)
             seen.update(
                 held_bytes=snapshot_bytes(held), held_pinned=pinned_bytes(held),
                 params=sum(p.numel() for p in trainer.model.parameters()),

@@ -135,7 +135,7 @@ HEADER = [
     "safe run (s)",
     "whole run, safe / stock",
     "per round",
-    "snapshot work per safe run (wall s)",
+    "snapshot work per safe run, mean (wall s)",
     "snapshot steps (each safe run)",
     "stock step (ms)",
     "safe step (ms)",
@@ -170,7 +170,9 @@ def main(argv=None) -> int:
         f"({shape}); runs are the mean whole-run times, the whole-run ratio that of their sums; "
         f"{step_clock_note(False)}, medians over {ns.steps - ns.warmup} steps of each run (after {ns.warmup} warm-up "
         f"steps), the per-step ratio the median of the per-round ratios; check + snapshot and restore are medians of "
-        f"{ns.repeats}; MB = 10^6 bytes. The bench took {time.perf_counter() - start:.0f} s of wall time.\n"
+        f"{ns.repeats}; snapshot work is the guard's own account of each safe run (`interval.spent_seconds`: "
+        f"wall time, whatever the clock), its snapshot steps `interval.taken_at`; MB = 10^6 bytes. The bench took "
+        f"{time.perf_counter() - start:.0f} s of wall time.\n"
     )
     print(markdown_table(HEADER, rows))
     return 0

@@ -121,7 +121,7 @@ class SnapshotInterval:
         self._host = 0.0  # host seconds of snapshot work since the mark
         self._spent = 0.0  # seconds of snapshot work since training started, allocations and the first included
         self._began = time.perf_counter()  # when training started
-        self.taken_at: list[int] = []  # the steps of the snapshots taken since training started
+        self.taken_at: list[int] = []  # this rank's snapshots' steps in this `train()` call (the same on every rank)
 
     @property
     def adaptive(self) -> bool:
@@ -129,8 +129,11 @@ class SnapshotInterval:
 
     @property
     def spent_seconds(self) -> float:
-        """The wall seconds of snapshot work since training started: every check and copy, the first snapshot and
-        the host buffers' allocations included (what [`debt`] weighs against the budget)."""
+        """The wall seconds of this rank's snapshot work since this `train()` call began (each call, a resumed one
+        too, starts from 0): each snapshot's check and copy, the first snapshot, the host buffers' allocations and
+        the check of a snapshot's inspection that rolled back included (not the last step's check when no copy
+        follows it: no snapshot's). What [`debt`] weighs against the aimed share of the budget; the debt in the
+        events is the largest rank's."""
         return self._spent
 
     def start(self, config: Any, state: Any, say: bool = True, held: Callable[[], int] | None = None) -> str:
@@ -150,7 +153,8 @@ class SnapshotInterval:
         if not fixed:
             started = (
                 f"NaN guard: a snapshot every {self.steps} steps to start with; the interval adapts so that snapshots "
-                f"take at most {percent(self.budget)} of the wall time (`nan_snapshot_budget`), within {bounds}, "
+                f"take at most {percent(self.budget)} of the wall time (`nan_snapshot_budget`; it aims at "
+                f"{percent(AIM * self.budget)}, a margin for the measured figures' error), within {bounds}, "
                 "measured from the first snapshots and steps (`snapshot_interval` events). Set "
                 "`nan_snapshot_budget=0` for a fixed interval."
             )
@@ -171,7 +175,10 @@ class SnapshotInterval:
             self._host += time.perf_counter() - began
 
     def restart(self) -> None:
-        """Measure the next step time from now (after a restore, which is no step's time)."""
+        """Measure the next step time from now (after a restore, which is no step's time). The snapshot work since the
+        last snapshot (the check of the inspection that rolled back) was spent all the same: it stays in the account
+        ([`spent_seconds`]), not in the next snapshot's cost."""
+        self._spent += self._host
         self._mark, self._host = None, 0.0
 
     def taken(self, step: int, delay: float | None) -> tuple[float, float] | None:
