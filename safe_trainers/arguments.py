@@ -149,8 +149,8 @@ class SafetyArguments:
     nan_snapshot_budget: float = field(
         default=0.01,
         metadata={
-            "help": "Fraction of the wall time the snapshots may take: their interval adapts to it, between "
-            "`nan_snapshot_steps` and `save_steps` (0: a fixed interval)."
+            "help": "Fraction of the wall time the snapshots may take: their interval adapts to it (aiming at half "
+            "of it), between `nan_snapshot_steps` and `save_steps` (0: a fixed interval)."
         },
     )
     nan_rollback_from: str = field(
