@@ -42,10 +42,12 @@ def ddp_result(trainer: Any, peak: int, model_bytes: int) -> dict:
     }
 
 
-def launcher(ranks: int) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def launcher(ranks: int, port: int | None = None) -> list[str]:
+    """`accelerate launch` on `ranks` CPU ranks with rendezvous `port` (`None`: a free one, the OS's pick)."""
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(ranks),
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
@@ -97,7 +99,8 @@ def ddp_main(ns: Any, run_child: Callable[[dict], dict]) -> int:
             for run in RUNS:
                 out = os.path.join(root, "out")
                 spec = {"model": model, "method": "full", "run": run, "out": out, "steps": ns.steps}
-                spec.update(batch=ns.batch, seq=ns.seq, targets=ns.lora_targets, ranks=ranks, launcher=launcher(ranks))
+                spec.update(batch=ns.batch, seq=ns.seq, targets=ns.lora_targets, ranks=ranks)
+                spec["launcher"] = launcher(ranks, ns.master_port)
                 spec["results"] = tempfile.mkdtemp(dir=root)
                 results[run] = run_child(spec)["ranks"]
                 shutil.rmtree(out, ignore_errors=True)

@@ -59,6 +59,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     parser.add_argument("--lora-targets", choices=sorted(LORA_TARGETS), default="default")
     parser.add_argument("--ddp", help="comma-separated rank counts: the DDP mode (full fine-tune, CPU ranks)")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="the DDP mode's rendezvous port, for every launch in turn (default: the OS's pick each)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a JSON measurement to run in this process
     return parser.parse_args(argv)
 
