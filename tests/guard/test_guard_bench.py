@@ -3,6 +3,7 @@ and the cost benches print the whole-run ratio as their headline, the per-step m
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -64,3 +65,8 @@ def test_guard_overhead_prints_each_workload_with_its_whole_run_headline():
     account = "snapshots taken (steps), per safe run: [[0"
     accounts = [line for line in done.stdout.splitlines() if line.startswith(account)]
     assert len(accounts) == 2, done.stdout[-3000:]  # each workload's safe runs snapshot at step 0 first
+    # The runs' own snapshots only: a step is copied at most twice in `train()` (the last one at its end and at its
+    # save); the bench's own timed snapshots afterwards (`time_snapshot`, 3 of the last step) are not the run's.
+    for line in accounts:
+        runs = ast.literal_eval(line[len("snapshots taken (steps), per safe run: ") :].split("; ")[0])
+        assert all(max(steps.count(step) for step in steps) <= 2 for steps in runs), line

@@ -104,3 +104,37 @@ def test_each_events_overhead_is_within_the_aim_unless_the_checkpoint_interval_c
         assert detail["overhead"] == pytest.approx(share)
         if detail["interval"] < max(lower, upper):
             assert detail["overhead"] <= AIM * budget * (1 + 1e-9), detail
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Real trainers: the account against the snapshots a callback saw (test_snapshot_interval.py's `run` and `Watch`)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_the_account_across_a_rollback_a_resume_and_a_second_train_call(toy_models, tmp_path):
+    from test_snapshot_interval import Watch
+
+    from safe_trainers.guard import read_events
+    from safe_trainers.testing.build import build_trainer
+    from safe_trainers.testing.faults import Fault
+
+    out = tmp_path / "out"
+    config = dict(max_steps=9, save_steps=4, nan_snapshot_steps=3, nan_snapshot_budget=0.0)
+    trainer = build_trainer("sft", toy_models["qwen2"], out, preset="guarded", faults=[Fault(7, "weight")], **config)
+    watch = Watch(trainer)
+    trainer.add_callback(watch)
+    trainer.train()
+    account = trainer.nan_guard.interval
+    [rollback] = [e for e in read_events(str(out)) if e["kind"] == "rollback"]
+    assert rollback["restored_step"] in watch.snapshots  # the restore took no snapshot: none in the account
+    assert sorted(set(account.taken_at)) == watch.snapshots and account.taken_at == sorted(account.taken_at)
+    first = (list(account.taken_at), account.spent_seconds)
+    assert first[1] > 0
+
+    trainer.train()  # a second call on the same trainer: its own account, from its own start
+    assert account.taken_at[0] == 0 and len(account.taken_at) <= len(first[0])
+
+    resumed = build_trainer("sft", toy_models["qwen2"], out, preset="guarded", **config)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+    again = resumed.nan_guard.interval
+    assert again.taken_at[0] == 8 and all(step >= 8 for step in again.taken_at) and again.spent_seconds > 0
