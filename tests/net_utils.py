@@ -12,7 +12,7 @@ import threading
 
 
 # Rendezvous ports come from below the OS's ephemeral range, a block of its own for each xdist worker: two launches
-# run at once (one per queue, tests/conftest.py), and between picking a port and binding it a launch spends seconds
+# may run at once (one on each worker), and between picking a port and binding it a launch spends seconds
 # importing; no connection the other launch's ranks open (the OS picks those in the ephemeral range) and no port the
 # other worker picks can take it meanwhile.
 PORT_BLOCK = 2000

@@ -99,7 +99,7 @@ def test_the_memory_bench_measures_ddp_ranks():
     # `bench/guard_memory.py --ddp`: two fresh launches of 2 ranks (guard off, guard on) and a row against S/N.
     command = [sys.executable, os.path.join(REPO, "bench", "guard_memory.py"), "--ddp", "2", "--steps", "2"]
     # A port of this worker's block (`free_port`): the OS's pick, in the ephemeral range, could be taken by a
-    # connection of the launch running in the other queue while this one imports.
+    # connection of a launch running on the other worker while this one imports.
     command += ["--seq", "16", "--sizes", "128x2", "--master-port", str(free_port())]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)

@@ -155,7 +155,7 @@ def test_two_nodes_saving_on_each_node_to_shared_storage_never_remove_what_the_o
     assert read_progress(str(run)).history.checkpoints == (8,)
 
 
-@pytest.mark.slow  # a process of its own, or a real run
+@pytest.mark.distributed  # two torchrun agents: a launch
 def test_an_error_taking_the_lock_on_rank_0_is_raised_on_every_node_not_waited_for(tmp_path):
     # The lock file is a link (refused on purpose, ELOOP): rank 0 cannot take the lock. Two torchrun agents ("nodes"),
     # so no launcher stops node 1 when node 0 fails: before, node 1 waited in the collective for rank 0's answer until
