@@ -129,6 +129,7 @@ class Measurement:
     intervals: list[list[int]] = field(default_factory=list)  # each safe run's snapshot intervals, as chosen
     taken: list[list[int]] = field(default_factory=list)  # each safe run's snapshot steps
     spent: list[float] = field(default_factory=list)  # each safe run's snapshot work, wall seconds (the guard's own)
+    share: list[float] = field(default_factory=list)  # that work's share of the run's wall time
 
 
 def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measurement:
@@ -150,13 +151,16 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
             trainer.add_callback(probe)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
         whole = timed_train(trainer, CLOCKS[ns.clock])
+        wall = time.perf_counter() - began
         if torch.cuda.is_available():
             peak_memory[kind].append(torch.cuda.max_memory_allocated())
         if kind == "safe":
             # The guard's own account of the run, read before `time_snapshot` adds its timed snapshots to it.
             seen.setdefault("taken", []).append(list(trainer.nan_guard.interval.taken_at))
             seen.setdefault("spent", []).append(trainer.nan_guard.interval.spent_seconds)
+            seen.setdefault("share", []).append(trainer.nan_guard.interval.spent_seconds / wall)
             taken, restored = time_snapshot(trainer)
             snapshot_times.extend(taken)
             restore_times.extend(restored)
@@ -197,6 +201,7 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
         intervals=seen["intervals"],
         taken=seen["taken"],
         spent=seen["spent"],
+        share=seen["share"],
     )
 
 
@@ -224,7 +229,8 @@ def report(m: Measurement) -> None:
     shape = run_shape(ns.steps, ns.logging_steps, ns.save_steps, ns.snapshot_steps)
     print(f"snapshot intervals the guard chose, per safe run: {m.intervals}")
     print(f"snapshots taken (steps), per safe run: {m.taken}; the guard's own account of its snapshot work (checks, "
-          f"copies, buffer allocations), per safe run: {', '.join(f'{s:.2f}' for s in m.spent)} s of wall time")
+          f"copies, buffer allocations), per safe run: {', '.join(f'{s:.2f}' for s in m.spent)} s of wall time, "
+          f"{', '.join(f'{s * 100:.2f}%' for s in m.share)} of the run's wall time")
     print(
         f"{ns.rounds} interleaved rounds of one whole `train()` call each ({shape}); headline: the summed whole-run "
         f"times, safe / stock (per round: {', '.join(f'{r:.3f}' for r in runs.round_ratios)}); "

@@ -91,9 +91,12 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
         )  # fmt: skip
         timer = StepTimer(clock)
         trainer.add_callback(timer)
+        began = time.perf_counter()
         whole = timed_train(trainer, clock)
-        if kind == "safe":  # the guard's own account of its snapshot work in this run (wall seconds)
+        wall = time.perf_counter() - began
+        if kind == "safe":  # the guard's own account of its snapshot work in this run (wall seconds), and its share
             seen.setdefault("spent", []).append(trainer.nan_guard.interval.spent_seconds)
+            seen.setdefault("share", []).append(trainer.nan_guard.interval.spent_seconds / wall)
             seen.setdefault("snapshots", []).append(list(trainer.nan_guard.interval.taken_at))
         if kind == "safe" and "taken" not in seen:
             seen["taken"], seen["restored"] = time_snapshot(trainer, ns.repeats, clock)
@@ -116,7 +119,7 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
         f"{runs.mean_run('safe'):.2f}",
         f"{runs.whole_ratio:.3f}",
         ", ".join(f"{r:.3f}" for r in runs.round_ratios),
-        f"{statistics.mean(seen['spent']):.2f}",
+        f"{statistics.mean(seen['spent']):.2f} ({statistics.mean(seen['share']) * 100:.2f}%)",
         "; ".join(" ".join(str(s) for s in steps) for steps in seen["snapshots"]),
         f"{runs.median_step('stock') * 1e3:.0f}",
         f"{runs.median_step('safe') * 1e3:.0f}",
@@ -135,7 +138,7 @@ HEADER = [
     "safe run (s)",
     "whole run, safe / stock",
     "per round",
-    "snapshot work per safe run, mean (wall s)",
+    "snapshot work per safe run, mean (wall s, share of the run's wall time)",
     "snapshot steps (each safe run)",
     "stock step (ms)",
     "safe step (ms)",

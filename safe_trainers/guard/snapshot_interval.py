@@ -117,7 +117,8 @@ class SnapshotInterval:
         self.decided = False
         self.held: Callable[[], int] | None = None
         self._mark: tuple[float, int] | None = None  # (time, step) right after the last snapshot
-        self._first: tuple[float, int] | None = None  # (cost, state bytes) of the first snapshot, for [`estimate`]
+        # (cost, state bytes, allocation seconds) of the first snapshot, for [`estimate`]
+        self._first: tuple[float, int, float] | None = None
         self._host = 0.0  # host seconds of snapshot work since the mark
         self._spent = 0.0  # seconds of snapshot work since training started, allocations and the first included
         self._began = time.perf_counter()  # when training started
@@ -181,15 +182,16 @@ class SnapshotInterval:
         self._spent += self._host
         self._mark, self._host = None, 0.0
 
-    def taken(self, step: int, delay: float | None) -> tuple[float, float] | None:
-        """A snapshot of `step` was taken (`delay`: the device delay of its copies, if known): this rank's figures
+    def taken(self, step: int, delay: float | None, allocation: float = 0.0) -> tuple[float, float] | None:
+        """A snapshot of `step` was taken (`delay`: the device delay of its copies, if known; `allocation`: the seconds
+        it spent allocating host buffers, kept from the first snapshot for [`estimate`]): this rank's figures
         `(cost, step_time)` since the previous one, or `None` when there is nothing to measure (the first snapshot,
         the same step again)."""
         now, mark, cost = time.perf_counter(), self._mark, self._host + (delay or 0.0)
         self._mark, self._host = (now, step), 0.0
         self.taken_at.append(step)
         if mark is None and self.held is not None:
-            self._first = (cost, self.held())
+            self._first = (cost, self.held(), allocation)
         if mark is None or step <= mark[1] or not self.adaptive:
             return None
         return cost, max(now - mark[0] - cost, 0.0) / (step - mark[1])  # the steps' own time: the snapshots' out
@@ -218,14 +220,19 @@ class SnapshotInterval:
 
     def estimate(self, step: int, source: Any, port: Any, events: EventLog) -> None:
         """At the step where the second snapshot would be taken, before it, while nothing is decided: decide from the
-        first snapshot's cost, scaled to the state's bytes now (the optimizer's moments appear at its first step), and
+        first snapshot's cost, scaled to the state's bytes now (the optimizer's moments appear at its first step), plus
+        the allocation of the buffers for the bytes the state gained (at the first snapshot's allocation rate), and
         the steps' time since, so that a second snapshot is taken only if the budget allows it. A collective when
         distributed (every rank reaches that step undecided)."""
         first, mark = self._first, self._mark
         if not self.adaptive or self.decided or first is None or mark is None or step <= mark[1] or step % self.steps:
             return
-        cost, then = first[0] + (source.copy_delay_seconds() or 0.0), first[1]
-        cost *= self.held() / then if then else 1.0
+        cost, then, allocation = first[0] + (source.copy_delay_seconds() or 0.0), first[1], first[2]
+        now = self.held()
+        cost *= now / then if then else 1.0
+        # The next snapshot allocates buffers for what the state gained since the first (the optimizer's moments): a
+        # one-time cost, at the first allocation's rate, that this snapshot pays and a short run never pays back.
+        cost += allocation * max(now - then, 0) / then if then else 0.0
         step_time = max(time.perf_counter() - mark[0] - self._host, 0.0) / (step - mark[1])
         self.decide(step, agreed((cost, step_time, self.debt()), port.device), events, estimated=True)
 
@@ -242,7 +249,7 @@ class SnapshotInterval:
         collective when the interval adapts (every rank takes its snapshots at the same steps; `port.device`)."""
         self._spent += self._host + (source.copy_delay_seconds() or 0.0)
         self._host -= source.allocation_seconds()
-        figures = self.taken(state.global_step, source.copy_delay_seconds())
+        figures = self.taken(state.global_step, source.copy_delay_seconds(), source.allocation_seconds())
         if figures is None or state.global_step >= state.max_steps:
             return
         self.decide(state.global_step, agreed((*figures, self.debt()), port.device), events)

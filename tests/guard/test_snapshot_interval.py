@@ -264,7 +264,9 @@ class FakeSource:
         return self.delay
 
 
-def test_the_estimate_scales_the_first_cost_to_the_state_and_leaves_the_allocation_out(tmp_path):
+def test_the_estimate_scales_the_first_cost_to_the_state_and_adds_the_allocation_of_what_it_gained(tmp_path):
+    # The first snapshot's own cost leaves its allocation out (a one-time cost), but the next snapshot allocates the
+    # buffers of what the state gained since (the moments): the estimate adds that at the first allocation's rate.
     events = EventLog(str(tmp_path), write=True)
     interval = SnapshotInterval(settings(nan_snapshot_budget=0.01))
     config = type("Config", (), {"save_strategy": "steps", "save_steps": 10_000})()
@@ -285,7 +287,7 @@ def test_the_estimate_scales_the_first_cost_to_the_state_and_leaves_the_allocati
     interval.estimate(10, FakeSource(delay=0.005), port, events)  # the first copy's device delay, known by now
     [event] = events.events
     assert event.step == 10 and event.detail["estimated"]
-    assert event.detail["snapshot_seconds"] == pytest.approx((cost + 0.005) * 3)
+    assert event.detail["snapshot_seconds"] == pytest.approx((cost + 0.005) * 3 + 0.02 * (300 - 100) / 100)
     debt = event.detail["debt_seconds"]  # the first snapshot's 30 ms beyond 0.5% of the time since the start
     assert 0 < debt <= took
     expected = choose_interval(event.detail["snapshot_seconds"] + debt, event.detail["step_seconds"], 0.01, 1, 10_000)
