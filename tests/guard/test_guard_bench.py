@@ -21,6 +21,7 @@ OVERHEAD = ["--hidden", "32", "--layers", "1", "--vocab", "1000", "--rounds", "1
 MEMORY = ["--steps", "1", "--seq", "16", "--sizes", "32x1", "--methods", "lora"]
 FINITE = ["--megabytes", "8", "--repeats", "1"]
 SPIKES = ["--steps", "4", "--inject-steps", "4", "--kinds", "dpo", "--spike", "6", "4", "2"]
+NOISE = ["--hidden", "32", "--layers", "1", "--seq", "16", "--steps", "3", "--pairs", "1"]
 PREEMPTION = ["--hidden", "32", "--layers", "1", "--seq", "16", "--batch", "2", "--only", "overhead", "--rounds", "1",
               "--overhead-steps", "3"]  # fmt: skip
 
@@ -38,6 +39,7 @@ PREEMPTION = ["--hidden", "32", "--layers", "1", "--seq", "16", "--batch", "2", 
         ("finite_check.py", FINITE, "catches a NaN"),
         ("spike_false_skips.py", SPIKES, "all skipped"),
         ("preemption_cost.py", PREEMPTION, "ratio to stock TRL"),
+        ("step_noise.py", NOISE, "minor faults a step"),
     ],
 )
 def test_bench_runs_and_prints_its_table(script, args, expected):
