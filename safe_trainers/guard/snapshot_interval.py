@@ -7,7 +7,7 @@ per step since the previous one (snapshots excluded), every rank's largest figur
 ranks meet anyway), and [`choose_interval`] turns the medians of the last [`HISTORY`] figures into the interval:
 `ceil(cost / (AIM * budget * step_time))`, at least `nan_snapshot_steps` when set (else 1), at most the checkpoint
 interval (`save_steps`). The interval aims at [`AIM`] (half) of the budget, because the budget is a bound and the
-figures are estimates: one check + snapshot of the same 189.6M-parameter state took 553 to 857 ms in four runs of
+figures are estimates: one check + snapshot of the same 189.6M-parameter state took 553 to 857 ms in six runs of
 the same bench (`docs/guard.md`, "The cost as runs grow"), so an interval aimed at the whole budget would exceed it in
 some runs. Every rank then decides the same from the same figures. It grows at once when the budget asks for it,
 and shrinks only when the figures ask for at least [`SHRINK`] times fewer steps ([`next_interval`]), so noise does not
