@@ -46,6 +46,7 @@ HISTORY = 5  # the figures a decision takes the median of
 AIM = 0.5  # the share of the budget the chosen interval aims at (the figures are estimates; the budget is a bound)
 SHRINK = 1.25  # the interval shrinks only when the figures ask for at least this factor fewer steps
 LONGEST = 10**9  # an interval with no upper bound: snapshots at saves, evaluations and the end only
+TAKEN_KEPT = 10_000  # the snapshot steps [`SnapshotInterval.taken_at`] keeps (the latest): bounded on a long run
 
 
 def choose_interval(cost: float, step_time: float, budget: float, lower: int, upper: int | None) -> int:
@@ -122,11 +123,17 @@ class SnapshotInterval:
         self._host = 0.0  # host seconds of snapshot work since the mark
         self._spent = 0.0  # seconds of snapshot work since training started, allocations and the first included
         self._began = time.perf_counter()  # when training started
-        self.taken_at: list[int] = []  # this rank's snapshots' steps in this `train()` call (the same on every rank)
+        self._taken: deque[int] = deque(maxlen=TAKEN_KEPT)  # this `train()` call's snapshot steps, see [`taken_at`]
 
     @property
     def adaptive(self) -> bool:
         return self.budget > 0
+
+    @property
+    def taken_at(self) -> list[int]:
+        """The steps of this rank's snapshots in this `train()` call, oldest first (the same on every rank; the
+        latest [`TAKEN_KEPT`] on a longer run)."""
+        return list(self._taken)
 
     @property
     def spent_seconds(self) -> float:
@@ -148,7 +155,8 @@ class SnapshotInterval:
         self.costs.clear()
         self.step_times.clear()
         self.decided, self._mark, self._first, self._host = False, None, None, 0.0
-        self._spent, self._began, self.taken_at = 0.0, time.perf_counter(), []
+        self._spent, self._began = 0.0, time.perf_counter()
+        self._taken.clear()
         bounds = f"{self.lower} to {self.upper} steps (`save_steps`)" if self.upper else f"at least {self.lower} steps"
         started = f"NaN guard: a snapshot every {self.steps} steps (`nan_snapshot_budget=0`: a fixed interval)."
         if not fixed:
@@ -189,7 +197,7 @@ class SnapshotInterval:
         the same step again)."""
         now, mark, cost = time.perf_counter(), self._mark, self._host + (delay or 0.0)
         self._mark, self._host = (now, step), 0.0
-        self.taken_at.append(step)
+        self._taken.append(step)
         if mark is None and self.held is not None:
             self._first = (cost, self.held(), allocation)
         if mark is None or step <= mark[1] or not self.adaptive:
