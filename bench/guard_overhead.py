@@ -36,7 +36,15 @@ from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
-from whole_run import Comparison, headline_rows, interleave, run_shape, step_clock_note
+from whole_run import (
+    Comparison,
+    SnapshotAccount,
+    headline_rows,
+    interleave,
+    run_shape,
+    snapshot_account,
+    step_clock_note,
+)
 from workload import (
     chosen_intervals,
     last_interval,
@@ -127,9 +135,7 @@ class Measurement:
     device_extra: float | None  # peak device memory, safe - stock (GPU only)
     spike_factor: float = 0.0  # the guarded runs' `nan_spike_factor`
     intervals: list[list[int]] = field(default_factory=list)  # each safe run's snapshot intervals, as chosen
-    taken: list[list[int]] = field(default_factory=list)  # each safe run's snapshot steps
-    spent: list[float] = field(default_factory=list)  # each safe run's snapshot work, wall seconds (the guard's own)
-    share: list[float] = field(default_factory=list)  # that work's share of the run's wall time
+    accounts: list[SnapshotAccount] = field(default_factory=list)  # each safe run's own account of its snapshots
 
 
 def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measurement:
@@ -158,9 +164,7 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
             peak_memory[kind].append(torch.cuda.max_memory_allocated())
         if kind == "safe":
             # The guard's own account of the run, read before `time_snapshot` adds its timed snapshots to it.
-            seen.setdefault("taken", []).append(list(trainer.nan_guard.interval.taken_at))
-            seen.setdefault("spent", []).append(trainer.nan_guard.interval.spent_seconds)
-            seen.setdefault("share", []).append(trainer.nan_guard.interval.spent_seconds / wall)
+            seen.setdefault("accounts", []).append(snapshot_account(trainer, wall))
             taken, restored = time_snapshot(trainer)
             snapshot_times.extend(taken)
             restore_times.extend(restored)
@@ -199,9 +203,7 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
         device_extra=extra,
         spike_factor=seen["spike_factor"],
         intervals=seen["intervals"],
-        taken=seen["taken"],
-        spent=seen["spent"],
-        share=seen["share"],
+        accounts=seen["accounts"],
     )
 
 
@@ -228,9 +230,10 @@ def report(m: Measurement) -> None:
           f"~{ns.seq} tokens, {device_name()}, optim={m.optim}, nan_spike_factor={m.spike_factor}")
     shape = run_shape(ns.steps, ns.logging_steps, ns.save_steps, ns.snapshot_steps)
     print(f"snapshot intervals the guard chose, per safe run: {m.intervals}")
-    print(f"snapshots taken (steps), per safe run: {m.taken}; the guard's own account of its snapshot work (checks, "
-          f"copies, buffer allocations), per safe run: {', '.join(f'{s:.2f}' for s in m.spent)} s of wall time, "
-          f"{', '.join(f'{s * 100:.2f}%' for s in m.share)} of the run's wall time")
+    print(f"snapshots taken (steps), per safe run: {[a.steps for a in m.accounts]}; the guard's own account of its "
+          f"snapshot work (checks, copies, buffer allocations), per safe run: "
+          f"{', '.join(f'{a.seconds:.2f}' for a in m.accounts)} s of wall time, "
+          f"{', '.join(f'{a.share:.2%}' for a in m.accounts)} of the run's wall time")
     print(
         f"{ns.rounds} interleaved rounds of one whole `train()` call each ({shape}); headline: the summed whole-run "
         f"times, safe / stock (per round: {', '.join(f'{r:.3f}' for r in runs.round_ratios)}); "

@@ -32,7 +32,7 @@ import tempfile
 import time
 
 import torch
-from whole_run import interleave, run_shape, step_clock_note
+from whole_run import interleave, run_shape, snapshot_account, step_clock_note
 from workload import (
     StepTimer,
     build_model_dir,
@@ -94,10 +94,8 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
         began = time.perf_counter()
         whole = timed_train(trainer, clock)
         wall = time.perf_counter() - began
-        if kind == "safe":  # the guard's own account of its snapshot work in this run (wall seconds), and its share
-            seen.setdefault("spent", []).append(trainer.nan_guard.interval.spent_seconds)
-            seen.setdefault("share", []).append(trainer.nan_guard.interval.spent_seconds / wall)
-            seen.setdefault("snapshots", []).append(list(trainer.nan_guard.interval.taken_at))
+        if kind == "safe":  # the guard's own account of its snapshot work in this run
+            seen.setdefault("accounts", []).append(snapshot_account(trainer, wall))
         if kind == "safe" and "taken" not in seen:
             seen["taken"], seen["restored"] = time_snapshot(trainer, ns.repeats, clock)
             seen["held"] = snapshot_bytes(trainer.nan_guard.snapshotter.snapshot)
@@ -111,7 +109,7 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
     runs = interleave(ns.rounds, run)
     shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
     snapshot, restore = statistics.median(seen["taken"]), statistics.median(seen["restored"])
-    params, held = seen["params"], seen["held"]
+    params, held, accounts = seen["params"], seen["held"], seen["accounts"]
     estimate = per_rank_bytes(RunShape(f"{hidden}x{layers}", params, params, "single"))
     return (
         f"{params / 1e6:.1f}M",
@@ -119,8 +117,8 @@ def measure_size(ns, hidden: int, layers: int, root: str) -> tuple:
         f"{runs.mean_run('safe'):.2f}",
         f"{runs.whole_ratio:.3f}",
         ", ".join(f"{r:.3f}" for r in runs.round_ratios),
-        f"{statistics.mean(seen['spent']):.2f} ({statistics.mean(seen['share']) * 100:.2f}%)",
-        "; ".join(" ".join(str(s) for s in steps) for steps in seen["snapshots"]),
+        f"{statistics.mean(a.seconds for a in accounts):.2f} ({statistics.mean(a.share for a in accounts):.2%})",
+        "; ".join(" ".join(str(s) for s in a.steps) for a in accounts),
         f"{runs.median_step('stock') * 1e3:.0f}",
         f"{runs.median_step('safe') * 1e3:.0f}",
         f"{runs.step_ratio:.3f}",

@@ -61,6 +61,23 @@ def interleave(rounds: int, run: Callable[[str, int], tuple[float, list[float]]]
     return found
 
 
+@dataclass(frozen=True)
+class SnapshotAccount:
+    """The guard's own account of one safe run: its snapshots' steps, the wall seconds of its snapshot work (checks,
+    copies, buffer allocations: `SnapshotInterval.spent_seconds`) and their share of the run's wall time."""
+
+    steps: list[int]
+    seconds: float
+    share: float
+
+
+def snapshot_account(trainer, wall: float) -> SnapshotAccount:
+    """[`SnapshotAccount`] of the run `trainer` just trained in `wall` seconds; read it before timing any snapshot of
+    your own (each one taken adds to the account)."""
+    interval = trainer.nan_guard.interval
+    return SnapshotAccount(interval.taken_at, interval.spent_seconds, interval.spent_seconds / wall)
+
+
 def run_shape(steps: int, logging_steps: int, save_steps: int, snapshot_steps: int | None) -> str:
     """The caption's description of what one run does."""
     saves = f"a checkpoint every {save_steps} steps" if save_steps else "no checkpoint"
@@ -93,4 +110,7 @@ def headline_rows(found: Comparison) -> list[tuple[str, str, str, str]]:
     ]
 
 
-__all__ = ["Comparison", "KINDS", "headline_rows", "interleave", "run_shape", "step_clock_note"]
+__all__ = [
+    "Comparison", "KINDS", "SnapshotAccount", "headline_rows", "interleave", "run_shape", "snapshot_account",
+    "step_clock_note",
+]
