@@ -179,6 +179,8 @@ class GuardMemoryProbe(TrainerCallback):
     """The largest number of bytes the guard held in host copies of micro-batches, and in device tensors (its
     per-step flags and loss sums), seen just before each optimizer step."""
 
+    leaves_state_alone = True  # it only reads: the guard treats the run as one without callbacks of the user's
+
     def __init__(self, guard):
         self.guard = guard
         self.batch_bytes = 0
