@@ -160,7 +160,8 @@ class NanGuard:
         self.refresh_best_fields()
         step, pending = self.port.state.global_step, len(self.flags.pending)
         self.interval.estimate(step, self.snapshotter, self.port, self.events)  # before a second snapshot
-        return inspection_due(control, step, self.config, self.interval.steps, pending, self.interval.read_steps)
+        due = self.interval.snapshot_due(step)
+        return inspection_due(control, step, self.config, due, pending, self.interval.read_steps)
 
     def judge(self, verify: bool = False, snapshot: bool = False, fresh: bool = False) -> Judged | None:
         """Read the pending flags and judge them (checking the state when a step was bad, or `verify`); `fresh`: do

@@ -176,24 +176,24 @@ def syncs_reference_model(args: Any, step: int) -> bool:
 
 
 def inspection_due(
-    control: Any, step: int, config: Any, snapshot_steps: int, pending: int, read_steps: int | None = None
+    control: Any, step: int, config: Any, snapshot_due: bool, pending: int, read_steps: int
 ) -> tuple[bool, bool] | None:
     """Whether the guard inspects where the Trainer is about to log, evaluate or save (every step, before it does):
     `(verify, snapshot)`, or `None` when nothing is due. The state is verified (and a snapshot taken) before every
-    save, evaluation, reference-model sync and the end of training, so none of them sees non-finite weights, and every
-    `snapshot_steps`; a log, or `pending` steps piling up to `read_steps`, only reads the flags.
+    save, evaluation, reference-model sync and the end of training, so none of them sees non-finite weights, and when
+    a snapshot is `snapshot_due`; a log, or `pending` steps piling up to `read_steps`, only reads the flags.
 
     Args:
         control: the Trainer's `TrainerControl` for this step (as the flow callback left it).
         step (`int`): `global_step`.
         config: the trainer's config (TRL's reference-model sync settings).
-        snapshot_steps (`int`): the snapshot interval (`snapshot_interval.py`).
+        snapshot_due (`bool`): the snapshot interval has passed since the last snapshot
+            ([`SnapshotInterval.snapshot_due`]).
         pending (`int`): the steps whose flags were not read yet.
-        read_steps (`int`, *optional*): read the flags once this many are pending (default: `snapshot_steps`).
+        read_steps (`int`): read the flags once this many are pending.
     """
-    snapshot_due = step % snapshot_steps == 0
     publishing = bool(control.should_save or control.should_evaluate or control.should_training_stop)
     publishing = publishing or syncs_reference_model(config, step)
-    if control.should_log or publishing or snapshot_due or pending >= (read_steps or snapshot_steps):
+    if control.should_log or publishing or snapshot_due or pending >= read_steps:
         return publishing or snapshot_due, publishing or snapshot_due
     return None

@@ -144,6 +144,17 @@ class SnapshotInterval:
         events is the largest rank's."""
         return self._spent
 
+    @property
+    def last_taken(self) -> int:
+        """The step of this `train()` call's latest snapshot (0 before its first)."""
+        return self._taken[-1] if self._taken else 0
+
+    def snapshot_due(self, step: int) -> bool:
+        """Whether the interval has passed at `step` since the latest snapshot: snapshots are spaced from the one
+        before (which a save or an evaluation may have brought forward), not laid on multiples of the interval, so
+        the first snapshot after the interval grows comes a whole interval after the one before."""
+        return step - self.last_taken >= self.steps
+
     def start(self, config: Any, state: Any, say: bool = True, held: Callable[[], int] | None = None) -> str:
         """Training starts: set the bounds (`config`: `TrainingArguments`, `state`: the `TrainerState`) and the
         interval to start with; returns what the run starts with, logged when `say`. `held()`: the bytes of the state
@@ -233,7 +244,7 @@ class SnapshotInterval:
         the steps' time since, so that a second snapshot is taken only if the budget allows it. A collective when
         distributed (every rank reaches that step undecided)."""
         first, mark = self._first, self._mark
-        if not self.adaptive or self.decided or first is None or mark is None or step <= mark[1] or step % self.steps:
+        if not self.adaptive or self.decided or first is None or mark is None or not self.snapshot_due(step):
             return
         cost, then, allocation = first[0] + (source.copy_delay_seconds() or 0.0), first[1], first[2]
         now = self.held()
