@@ -38,7 +38,7 @@ def ddp_result(trainer: Any, peak: int, model_bytes: int) -> dict:
         "model_bytes": model_bytes,
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "state_bytes": sum(t.numel() * t.element_size() for t in trainable + moments),
-        "held": guard.snapshotter.host.nbytes() if guard is not None and guard.snapshotter is not None else 0,
+        "held": guard.snapshotter.held_bytes() if guard is not None and guard.snapshotter is not None else 0,
     }
 
 

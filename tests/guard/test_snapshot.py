@@ -70,6 +70,28 @@ def test_a_snapshot_before_the_first_step_restores_an_empty_optimizer_state():
     assert not optimizer.state  # AdamW starts its moments afresh, as it did then
 
 
+def test_the_moments_appearing_allocate_only_their_own_buffers():
+    # The first snapshot (before the first step) holds the weights; the moments appear at the first step. The next
+    # snapshot allocates buffers for them alone: the weights' buffers are kept, not allocated anew with them.
+    model, optimizer = model_and_optimizer()
+    snapshotter = HostSnapshot(model, Backend(optimizer, zero_stage=None, loss_scaled=False))
+    snapshotter.take(types.SimpleNamespace(global_step=0))
+    weights = [b.data_ptr() for b in snapshotter.host.buffers.values()]
+    moments_before = snapshotter.moments.allocations
+    assert snapshotter.host.allocations == 1 and snapshotter.moments.nbytes() == 0
+    train_step(model, optimizer)
+    snapshotter.take(types.SimpleNamespace(global_step=1))
+    assert snapshotter.host.allocations == 1 and snapshotter.moments.allocations == moments_before + 1
+    assert [b.data_ptr() for b in snapshotter.host.buffers.values()] == weights
+    assert snapshotter.allocation_seconds() == snapshotter.moments.allocation_seconds > 0
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    moments = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
+    assert snapshotter.held_bytes() == sum(p.numel() * 4 for p in trainable) + moments
+    snapshotter.take(types.SimpleNamespace(global_step=2))  # the layout holds: nothing allocated
+    assert snapshotter.host.allocations == 1 and snapshotter.moments.allocations == moments_before + 1
+    assert snapshotter.allocation_seconds() == 0.0
+
+
 def test_nothing_to_restore_before_a_snapshot_is_taken():
     model, optimizer = model_and_optimizer()
     with pytest.raises(RuntimeError, match="has not taken a snapshot yet"):

@@ -67,7 +67,7 @@ def test_estimate_matches_a_real_snapshot(lora, toy_models, tmp_path):
     # The estimate leaves out AdamW's step counters: one fp32 scalar per trainable tensor.
     assert held_bytes - per_rank_bytes(run) == 4 * len(trainable)
     # And the host buffers hold exactly those bytes: one buffer per dtype, no rounding.
-    assert snapshotter.host.nbytes() == held_bytes
+    assert snapshotter.held_bytes() == held_bytes
 
 
 @pytest.mark.parametrize("page", [DOCS / "guard.md", DOCS.parent / "README.md"], ids=["guard.md", "README"])
@@ -92,5 +92,5 @@ def test_what_the_rule_reads_is_what_a_bf16_snapshot_holds(lora, toy_models, tmp
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
     if lora is not None:
         assert {p.dtype for p in trainable} == {torch.float32, torch.bfloat16}  # a mixed layout
-    held = trainer.nan_guard.snapshotter.host.nbytes()
+    held = trainer.nan_guard.snapshotter.held_bytes()
     assert held - estimate == 4 * len(trainable)  # AdamW's step counters, left out of the estimate

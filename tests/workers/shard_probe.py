@@ -51,7 +51,7 @@ class ShardProbe(TrainerCallback):
         snapshotter = self.trainer.nan_guard.snapshotter
         weights, moments = state_tensors(self.trainer.model, snapshotter.optimizer)
         self.digests[state.global_step] = {"weights": digest(weights), "optimizer": digest(moments)}
-        held = snapshotter.host.nbytes()
+        held = snapshotter.held_bytes()
         if held >= self.host_bytes:
             self.host_bytes = held
             self.state_bytes = sum(t.numel() * t.element_size() for t in weights + moments)

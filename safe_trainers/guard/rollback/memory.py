@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...runtime.copy_stream import CopyStream
-from ...runtime.host_buffers import HostBuffers
+from ...runtime.host_buffers import HostBuffers, copy_to_host
 from ...runtime.sharding import is_sharded, like, local, reshard
 from ..backends import Backend
 from .checkpoint import CheckpointSource
@@ -62,7 +62,8 @@ class HostSnapshot:
         self.backend = backend
         self.optimizer, self.deepspeed_stage = backend.optimizer, backend.zero_stage
         self.snapshot = Snapshot()
-        self.host = HostBuffers()
+        self.host = HostBuffers()  # the weights (under DeepSpeed or DDP shards, the whole state)
+        self.moments = HostBuffers()  # the optimizer's state, apart: see [`take`]
         self.copies = CopyStream()
         self.checkpoints: list[str] = [resumed_from] if resumed_from else []
         self.events, self.output_dir = events, output_dir
@@ -74,7 +75,8 @@ class HostSnapshot:
     # -- taking -------------------------------------------------------------------------------------------------
     def take(self, state: Any) -> Snapshot:
         """Copy the current state into the host buffers (asynchronously on GPU) and return the snapshot."""
-        snap, allocations = self.snapshot, self.host.allocations
+        snap, buffers = self.snapshot, (self.host, self.moments)
+        allocations = [b.allocations for b in buffers]
         reshard(self.model)
         # Drop the previous copy's views first: when the layout changes (the optimizer's moments appear after its
         # first step) its buffers are then freed before the new ones are allocated, not held alongside them.
@@ -93,12 +95,26 @@ class HostSnapshot:
                 step = state.global_step
                 _, snap.ready = self.copies.run(live, lambda stream: self.replicas.take(live, self.host, step, stream))
             else:
-                held, snap.ready = self.copies.copy(live, self.host)
+                held, snap.ready = self.copies.run(live, lambda stream: self._copy_apart(live, stream))
                 snap.params, snap.optimizer_state = held["params"], held["optimizer"]
         snap.counters = best_model_fields(state)
         snap.step = state.global_step
-        self.allocated = self.host.allocation_seconds if self.host.allocations != allocations else 0.0
+        self.allocated = sum(b.allocation_seconds for b, n in zip(buffers, allocations) if b.allocations != n)
         return snap
+
+    def _copy_apart(self, live: dict[str, Any], stream: Any) -> dict[str, Any]:
+        """The weights and the optimizer state, each into buffers of its own: the moments, which appear at the
+        optimizer's first step (after the first snapshot), then allocate only their own buffers while the weights'
+        are kept (one buffer for both would be allocated anew, the weights' share included: docs/guard.md, "The
+        cost as runs grow")."""
+        return {
+            "params": copy_to_host(live["params"], self.host, stream=stream),
+            "optimizer": copy_to_host(live["optimizer"], self.moments, stream=stream),
+        }
+
+    def held_bytes(self) -> int:
+        """The host bytes the snapshot's buffers hold (this rank's share under DDP)."""
+        return self.host.nbytes() + self.moments.nbytes()
 
     def before_write(self) -> None:
         """The weights or the optimizer state are about to be written: the copies of the last snapshot, if still in
