@@ -1,0 +1,166 @@
+"""Where the adaptive snapshot interval (`guard/snapshot_interval.py`, issue 30) broke its contract: each test is a
+schedule a reviewer found, on plain numbers or a real tiny trainer.
+
+* A valid `nan_snapshot_budget` too small for a float (`1e-320`) made the decision divide to infinity (or by zero) and
+  crashed the run at its first decision.
+* A resumed `train()` started again from the starting interval without a `snapshot_interval` event, while the event
+  log kept the decisions of the run before the checkpoint: the log said the snapshots were 1 step apart where they were
+  10.
+* The events before a `rollback` did not tell how far it could go: a decision taken at the rollback's own inspection
+  (the estimate, before it) is logged before it, though the fault came under the interval before.
+* `nan_snapshot_steps` above `save_steps` was reported as a range going down ("every 20-10 steps").
+"""
+
+from __future__ import annotations
+
+import time
+
+from transformers import TrainerCallback
+
+from safe_trainers.arguments import SafetyArguments
+from safe_trainers.guard import read_events
+from safe_trainers.guard.snapshot_interval import LONGEST, SnapshotInterval, choose_interval, describe
+from safe_trainers.testing.build import build_trainer
+from safe_trainers.testing.faults import Fault
+
+
+def config(**values):
+    return type("Config", (), values)()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A budget too small for a float
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_tiny_budget_stretches_the_interval_to_its_bound():
+    # `nan_snapshot_budget` accepts any finite fraction in [0, 1): at 1e-320 the aimed share of a step's time is a
+    # subnormal float, and the steps one snapshot needs overflow to infinity (`ceil` of it raised OverflowError); at
+    # 5e-324 it is 0 (ZeroDivisionError). No snapshot fits such a budget: the interval is its upper bound.
+    assert choose_interval(0.01, 0.1, 1e-320, 1, 6) == 6
+    assert choose_interval(0.01, 0.1, 5e-324, 1, 6) == 6
+    assert choose_interval(1.0, 1e-9, 1e-300, 2, None) == LONGEST
+    assert choose_interval(0.0, 0.1, 5e-324, 3, 6) == 3  # a free snapshot still fits
+
+
+def test_a_run_with_a_tiny_budget_trains_to_the_end(toy_models, tmp_path):
+    trainer = build_trainer(
+        "sft", toy_models["qwen2"], tmp_path / "out", preset="guarded", max_steps=6, save_steps=4,
+        nan_snapshot_steps=2, nan_snapshot_budget=1e-320,
+    )  # fmt: skip
+    trainer.train()  # crashed at step 2 (the first decision) with OverflowError
+    assert trainer.state.global_step == 6
+    chosen = [e for e in read_events(trainer.args.output_dir) if e["kind"] == "snapshot_interval"]
+    assert [(e["step"], e["interval"]) for e in chosen] == [(2, 4)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What the event log says about how far a rollback could go
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class SlowSteps(TrainerCallback):
+    """Every step sleeps `sleep` seconds (slow compute): a snapshot of the toy model then costs a small share of a
+    step, and the adaptive interval goes down to its lower bound, 1 (unset `nan_snapshot_steps`)."""
+
+    def __init__(self, sleep: float):
+        self.sleep = sleep
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        time.sleep(self.sleep)
+
+
+def train(model, out, faults=(), resume=None, **config):
+    trainer = build_trainer("sft", model, out, preset="guarded", faults=faults, **config)
+    trainer.add_callback(SlowSteps(0.15))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, read_events(trainer.args.output_dir)
+
+
+def skips_before(events: list[dict], step: int) -> int:
+    """The steps skipped in a row right before `step` (its `skip` events)."""
+    skipped, count = {e["step"] for e in events if e["kind"] == "skip"}, 0
+    while step - count - 1 in skipped:
+        count += 1
+    return count
+
+
+def how_far_it_could_go(events: list[dict], rollback: dict, started: int) -> int:
+    """How far back `rollback` could go, read from the event log as docs/guard.md says ("read the last
+    `snapshot_interval` event before a `rollback` to know how far it could go"; none: the interval the run `started`
+    with, logged at the start), plus the skipped steps in a row before the fault."""
+    before = events[: events.index(rollback)]
+    chosen = [e["interval"] for e in before if e["kind"] == "snapshot_interval"]
+    return (chosen[-1] if chosen else started) + skips_before(events, rollback["fault_step"])
+
+
+# The run's settings: the snapshot interval starts at 10 and adapts from 1; a checkpoint at step 12; the flags are read
+# every 10 steps (no log before), so a fault is found at the tenth step after the last read.
+SETTINGS = dict(save_steps=12, nan_snapshot_steps=None, nan_snapshot_budget=0.9, logging_steps=100)
+
+
+def test_a_resumed_run_reports_the_interval_it_starts_with(toy_models, tmp_path):
+    # The first run decides at step 10 (snapshots every step: cheap against the slow steps) and saves at 12. The run
+    # resumed from checkpoint-12 starts again at 10 steps, deciding at 22; a fault at 20 rolls back to 12, 8 steps
+    # before it. The event log kept the first run's decision (every step, at step 10) and said nothing more before the
+    # fault: read as the docs say, the rollback could go back 1 step (+ skips in a row before the fault: none).
+    out = tmp_path / "out"
+    first, _ = train(toy_models["qwen2"], out, max_steps=14, **SETTINGS)
+    decided = first.nan_guard.interval.steps
+    assert decided < 8  # the run before the checkpoint decided a short interval (so the log has one to mislead)
+    _, events = train(
+        toy_models["qwen2"], out, faults=[Fault(step=20, kind="weight")], resume=str(out / "checkpoint-12"),
+        max_steps=26, **SETTINGS,
+    )  # fmt: skip
+    [rollback] = [e for e in events if e["kind"] == "rollback"]
+    assert (rollback["fault_step"], rollback["restored_step"]) == (20, 12)
+    reported = how_far_it_could_go(events, rollback, started=10)
+    assert rollback["fault_step"] - rollback["restored_step"] <= reported, (reported, events)
+
+
+def test_the_events_before_a_rollback_tell_how_far_it_could_go(toy_models, tmp_path):
+    # A NaN weight at step 5 makes steps 5-10 skip; the flags are read at step 10, where the interval is also first
+    # decided (an estimate, before that step's inspection): every step. That event is logged before the rollback its
+    # inspection decides (to step 0, 5 steps before the fault): the last `snapshot_interval` event before the
+    # `rollback` says 1, though the fault came under the interval the run started with (10).
+    _, events = train(toy_models["qwen2"], tmp_path / "out", faults=[Fault(step=5, kind="weight")], max_steps=12,
+                      **SETTINGS)  # fmt: skip
+    [rollback] = [e for e in events if e["kind"] == "rollback"]
+    assert (rollback["step"], rollback["fault_step"], rollback["restored_step"]) == (10, 5, 0)
+    decided = [e for e in events if e["kind"] == "snapshot_interval"][0]
+    assert decided["step"] == 10 and decided["interval"] < 5  # at the rollback's inspection, before it
+    bound = how_far_it_could_go(events, rollback, started=10)
+    assert rollback["fault_step"] - rollback["restored_step"] <= bound, (bound, events)
+
+
+def test_a_shrink_before_a_skipped_snapshot_is_not_the_bound(toy_models, tmp_path):
+    # The estimate at step 10 shrinks the interval from 10 to every step; step 10 is skipped (a NaN loss), so no
+    # snapshot is taken there, and step 11 leaves a NaN weight: the rollback at 11 goes back to step 0, the interval
+    # the run started with (10) plus the skipped step, though the interval in force at the fault is 1. Neither the
+    # last event before the rollback nor the last before the fault (1, + 1 skip) tells it.
+    faults = [Fault(step=10, kind="loss"), Fault(step=11, kind="update")]
+    _, events = train(toy_models["qwen2"], tmp_path / "out", faults=faults, max_steps=12, **SETTINGS)
+    [rollback] = [e for e in events if e["kind"] == "rollback"]
+    assert (rollback["step"], rollback["fault_step"], rollback["restored_step"]) == (11, 11, 0)
+    decided = [e for e in events if e["kind"] == "snapshot_interval"][0]
+    assert decided["step"] == 10 and decided["interval"] < 10  # shrunk at the estimate, before step 10's inspection
+    assert skips_before(events, 11) == 1
+    bound = how_far_it_could_go(events, rollback, started=10)
+    assert rollback["fault_step"] - rollback["restored_step"] <= bound, (bound, events)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bounds that cross
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_crossed_bounds_are_reported_as_the_interval_kept():
+    # `nan_snapshot_steps=20` over `save_steps=10`: the user's lower bound wins (`choose_interval`), so the snapshots
+    # are 20 steps apart whatever the figures. The report and the start log said "every 20-10 steps".
+    settings = SafetyArguments(nan_snapshot_steps=20)
+    saves = config(save_strategy="steps", save_steps=10)
+    summary = describe(settings, saves)
+    assert "20-10" not in summary and "every 20 steps" in summary, summary
+    interval = SnapshotInterval(settings)
+    started = interval.start(saves, None, say=False)
+    assert "20 to 10" not in started and interval.steps == 20, started
