@@ -2,13 +2,15 @@
 schedule a reviewer found, on plain numbers or a real tiny trainer.
 
 * A valid `nan_snapshot_budget` too small for a float (`1e-320`) made the decision divide to infinity (or by zero) and
-  crashed the run at its first decision.
+  crashed the run at its first decision (`choose_interval`).
 * A resumed `train()` started again from the starting interval without a `snapshot_interval` event, while the event
   log kept the decisions of the run before the checkpoint: the log said the snapshots were 1 step apart where they were
-  10.
-* The events before a `rollback` did not tell how far it could go: a decision taken at the rollback's own inspection
-  (the estimate, before it) is logged before it, though the fault came under the interval before.
-* `nan_snapshot_steps` above `save_steps` was reported as a range going down ("every 20-10 steps").
+  10 (now its first snapshot records the interval it starts with, `resumed: true`).
+* The events before a `rollback` did not tell how far it could go, as docs/guard.md said to read them: a decision taken
+  at the rollback's own inspection (the first, an estimate) is logged before it, though the fault came under the
+  interval before; a first decision that shrinks the interval at a skipped step (no snapshot there) leaves a fault
+  after it one longer interval from the snapshot restored. The docs now say which events bound it.
+* `nan_snapshot_steps` at or above `save_steps` was reported as a range going down ("every 20-10 steps").
 """
 
 from __future__ import annotations
@@ -79,19 +81,22 @@ def train(model, out, faults=(), resume=None, **config):
 
 def skips_before(events: list[dict], step: int) -> int:
     """The steps skipped in a row right before `step` (its `skip` events)."""
-    skipped, count = {e["step"] for e in events if e["kind"] == "skip"}, 0
+    skipped, count = {e["step"] for e in events if e["kind"] in ("skip", "spike")}, 0
     while step - count - 1 in skipped:
         count += 1
     return count
 
 
 def how_far_it_could_go(events: list[dict], rollback: dict, started: int) -> int:
-    """How far back `rollback` could go, read from the event log as docs/guard.md says ("read the last
-    `snapshot_interval` event before a `rollback` to know how far it could go"; none: the interval the run `started`
-    with, logged at the start), plus the skipped steps in a row before the fault."""
-    before = events[: events.index(rollback)]
-    chosen = [e["interval"] for e in before if e["kind"] == "snapshot_interval"]
-    return (chosen[-1] if chosen else started) + skips_before(events, rollback["fault_step"])
+    """How far back `rollback` could go, read from the event log as docs/guard.md says: the longest of the interval in
+    force after the snapshot it restores (the last `snapshot_interval` event at or before `restored_step`; none: the
+    interval the run `started` with, logged at the start) and any chosen after it before the fault, plus the skipped
+    steps in a row before the fault. (It said: the last `snapshot_interval` event before the `rollback`.)"""
+    chosen = [e for e in events if e["kind"] == "snapshot_interval"]
+    restored, fault = rollback["restored_step"], rollback["fault_step"]
+    at = [e["interval"] for e in chosen if e["step"] <= restored]
+    since = [e["interval"] for e in chosen if restored < e["step"] < fault]
+    return max([at[-1] if at else started, *since]) + skips_before(events, fault)
 
 
 # The run's settings: the snapshot interval starts at 10 and adapts from 1; a checkpoint at step 12; the flags are read
