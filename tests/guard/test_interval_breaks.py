@@ -169,3 +169,32 @@ def test_crossed_bounds_are_reported_as_the_interval_kept():
     interval = SnapshotInterval(settings)
     started = interval.start(saves, None, say=False)
     assert "20 to 10" not in started and interval.steps == 20, started
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A save a later callback asks for
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class SaveAtFive(TrainerCallback):
+    """A user callback (after the guard's) that asks for a save at step 5."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 5:
+            control.should_save = True
+
+
+def test_a_save_a_later_callback_asks_for_is_a_snapshot(toy_models, tmp_path):
+    # "Snapshots are still taken at every save, evaluation and reference-model sync, whatever the interval": the state
+    # of step 5 is verified before the save a later callback asked for and published as checkpoint-5, but no snapshot
+    # was taken of it, so a fault at step 9 rolled back to step 0 (the interval's), behind the checkpoint.
+    trainer = build_trainer(
+        "sft", toy_models["qwen2"], tmp_path / "out", preset="guarded", faults=[Fault(step=9, kind="weight")],
+        max_steps=12, save_steps=100, nan_snapshot_steps=10, nan_snapshot_budget=0.0,
+    )  # fmt: skip
+    trainer.add_callback(SaveAtFive())
+    trainer.train()
+    assert (tmp_path / "out" / "checkpoint-5").is_dir()
+    assert 5 in trainer.nan_guard.interval.taken_at, trainer.nan_guard.interval.taken_at
+    [rollback] = [e for e in read_events(trainer.args.output_dir) if e["kind"] == "rollback"]
+    assert rollback["restored_step"] == 5
