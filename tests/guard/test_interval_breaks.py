@@ -231,3 +231,23 @@ def test_a_fractional_save_steps_is_reported_as_the_bound_it_is():
     # resolved when training starts); the safety report's summary said "every >= 1 steps", no upper bound.
     summary = describe(SafetyArguments(), config(save_strategy="steps", save_steps=0.25))
     assert "every >= 1 steps" not in summary, summary
+
+
+@pytest.mark.distributed
+def test_two_ranks_record_the_interval_a_resumed_run_starts_with(tmp_path):
+    # Under DDP, a run resumed from checkpoint-6 records its starting interval on both ranks alike (a local event, no
+    # collective), and both still agree on every later choice and take their snapshots at the same steps: a fault on
+    # rank 1 at step 10 rolls both back to the resumed checkpoint's snapshot.
+    import os
+
+    from test_guard_distributed import accelerate_ddp, check_in_sync, launch
+
+    extra = ["--save_steps", "6", "--snapshot_budget", "0.01", "--snapshot_steps", "-1"]
+    check_in_sync(launch(accelerate_ddp(), "dpo", [], tmp_path, "--max_steps", "12", *extra), 0, 0, tmp_path / "out")
+    checkpoint = os.path.join(str(tmp_path / "out"), "run", "checkpoint-6")
+    resumed = launch(accelerate_ddp(), "dpo", ["weight:10:1"], tmp_path, "--max_steps", "16", "--resume", checkpoint,
+                     *extra)  # fmt: skip
+    events = check_in_sync(resumed, 1, 1, tmp_path / "out")
+    ranks = [r["intervals"] for r in resumed]
+    assert ranks[0] == ranks[1] and ranks[0][0]["resumed"] and ranks[0][0]["interval"] == 6, ranks
+    assert [e["restored_step"] for e in events if e["kind"] == "rollback"] == [6]
