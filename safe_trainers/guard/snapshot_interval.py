@@ -65,8 +65,11 @@ def choose_interval(cost: float, step_time: float, budget: float, lower: int, up
         return min(lower, top)
     if not (math.isfinite(cost) and math.isfinite(step_time)) or step_time <= 0:
         return top if cost > 0 else lower
-    needed = math.ceil(cost / (AIM * budget * step_time)) if cost > 0 else 1
-    return min(max(needed, lower), top)
+    if cost <= 0:
+        return lower
+    share = AIM * budget * step_time  # a budget near the smallest float makes it 0, or `cost / share` infinite
+    needed = cost / share if share > 0 else math.inf
+    return top if needed >= top else max(math.ceil(needed), lower)
 
 
 def next_interval(current: int, chosen: int) -> int:
@@ -94,8 +97,10 @@ def describe(settings: Any, config: Any) -> str:
     steps, budget = settings.nan_snapshot_steps, settings.nan_snapshot_budget
     if budget <= 0:
         return f"snapshot every {steps or DEFAULT_STEPS} steps"
-    upper = checkpoint_interval(config, None)
-    bound = f"every {steps or 1}-{upper} steps" if upper else f"every >= {steps or 1} steps"
+    lower, upper = steps or 1, checkpoint_interval(config, None)
+    if upper and upper <= lower:  # the user's lower bound wins (`choose_interval`): nothing left to adapt
+        return f"snapshot every {lower} steps (`nan_snapshot_steps` >= `save_steps`)"
+    bound = f"every {lower}-{upper} steps" if upper else f"every >= {lower} steps"
     return f"snapshots adapt to <= {percent(budget)} of wall time, {bound}"
 
 
@@ -169,6 +174,8 @@ class SnapshotInterval:
         self._spent, self._began = 0.0, time.perf_counter()
         self._taken.clear()
         bounds = f"{self.lower} to {self.upper} steps (`save_steps`)" if self.upper else f"at least {self.lower} steps"
+        if self.upper and self.upper <= self.lower:  # the lower bound wins: the figures cannot move it
+            bounds = f"exactly {self.lower} steps (`nan_snapshot_steps` is not below `save_steps`={self.upper})"
         started = f"NaN guard: a snapshot every {self.steps} steps (`nan_snapshot_budget=0`: a fixed interval)."
         if not fixed:
             started = (
@@ -261,6 +268,14 @@ class SnapshotInterval:
         pay it back."""
         return max(self._spent - AIM * self.budget * (time.perf_counter() - self._began), 0.0)
 
+    def resumed(self, step: int, events: EventLog) -> None:
+        """A resumed run starts, at its checkpoint's `step`, from the starting interval (the log keeps the earlier
+        run's choices): record it (`resumed`, no figures yet), so the log tells the interval in force at every step."""
+        figures = dict.fromkeys(("previous", "snapshot_seconds", "step_seconds", "overhead"))
+        detail = {"interval": self.steps, **figures, "budget": self.budget, "lower": self.lower, "upper": self.upper}
+        events.add(RunEvent(step, "snapshot_interval", [], [], {**detail, "estimated": False, "debt_seconds": 0.0,
+                                                                 "resumed": True}))
+
     def after_snapshot(self, state: Any, source: Any, port: Any, events: EventLog) -> None:
         """A snapshot was just taken (`state`: the `TrainerState`; `source`: the [`RollbackSource`] that took it, for
         its copies' device delay and the time it spent allocating host buffers, which is left out: a one-time cost):
@@ -268,7 +283,10 @@ class SnapshotInterval:
         collective when the interval adapts (every rank takes its snapshots at the same steps; `port.device`)."""
         self._spent += self._host + (source.copy_delay_seconds() or 0.0)
         self._host -= source.allocation_seconds()
+        first = not self._taken
         figures = self.taken(state.global_step, source.copy_delay_seconds(), source.allocation_seconds())
+        if first and state.global_step > 0 and self.adaptive:
+            self.resumed(state.global_step, events)
         if figures is None or state.global_step >= state.max_steps:
             return
         self.decide(state.global_step, agreed((*figures, self.debt()), port.device), events)

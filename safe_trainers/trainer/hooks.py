@@ -179,10 +179,12 @@ class NanGuardTrainerMixin(CheckpointHooks):
             if self.control.should_save or self.control.should_evaluate:
                 # Right before the Trainer evaluates or saves: verify the state afresh (a callback that runs after
                 # the guard's may have asked for the save or evaluation, or changed the weights since the guard's
-                # check; unless no callback can: `read_only.py`). A collective every rank must reach: timed by the
-                # watchdog like a step.
+                # check; unless no callback can: `read_only.py`), and keep it as a snapshot if the guard's own
+                # inspection did not (a save or evaluation asked for after it). A collective every rank must reach:
+                # timed by the watchdog like a step.
                 with run.guard.clock.armed():
-                    inspection.inspect(self, verify=True, fresh=not run.callbacks_read_only)
+                    fresh, snapshot = not run.callbacks_read_only, inspection.unsnapshotted(self)
+                    inspection.inspect(self, verify=True, fresh=fresh, snapshot=snapshot)
             if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
                 # The Trainer logs its loss window now, on every rank (as the ledger's collective needs); a
                 # `log({"loss": ...})` from anywhere else leaves the window alone.

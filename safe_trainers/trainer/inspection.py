@@ -65,6 +65,16 @@ def inspect(trainer: Any, verify: bool = False, snapshot: bool = False, fresh: b
     return decision.verdict
 
 
+def unsnapshotted(trainer: Any) -> bool:
+    """Whether the state the Trainer is about to save or evaluate has no snapshot of this step: a callback after the
+    guard's asked for the save or evaluation, which the guard's inspection did not see. It is then taken with the
+    check (every save and evaluation is a snapshot; not after a skipped step, `NanGuard.settle`). A run whose callbacks
+    all leave the state alone asks for none after the guard's (`read_only.py`)."""
+    run = trainer.safe_run
+    kept = getattr(run.guard.snapshotter, "snapshot", None)
+    return not run.callbacks_read_only and kept is not None and kept.step != trainer.state.global_step
+
+
 def carry_out(trainer: Any, decision: Decision) -> None:
     """Do what an inspection decided: restore the last good state (and stop, for an abort), or publish the disk
     source's first good state."""
@@ -150,4 +160,7 @@ def save_abort_checkpoint(trainer: Any, step: int) -> str | None:
         return None
 
 
-__all__ = ["before_write", "begin", "carry_out", "finish", "inspect", "publish_good_state", "save_abort_checkpoint"]
+__all__ = [
+    "before_write", "begin", "carry_out", "finish", "inspect", "publish_good_state", "save_abort_checkpoint",
+    "unsnapshotted",
+]
