@@ -158,10 +158,9 @@ class NanGuard:
         an inspection is due ([`inspection_due`]), else `None`."""
         self.verified_step = -1  # callbacks after the guard's may have changed the state since it was last verified
         self.refresh_best_fields()
-        step, pending = self.port.state.global_step, len(self.flags.pending)
-        self.interval.estimate(step, self.snapshotter, self.port, self.events)  # before a second snapshot
-        due = self.interval.snapshot_due(step)
-        return inspection_due(control, step, self.config, due, pending, self.interval.read_steps)
+        step, pending, interval = self.port.state.global_step, len(self.flags.pending), self.interval
+        interval.estimate(step, self.snapshotter, self.port, self.events)  # before a second snapshot
+        return inspection_due(control, step, self.config, interval.snapshot_due(step), pending, interval.read_steps)
 
     def judge(self, verify: bool = False, snapshot: bool = False, fresh: bool = False) -> Judged | None:
         """Read the pending flags and judge them (checking the state when a step was bad, or `verify`); `fresh`: do
@@ -230,7 +229,7 @@ class NanGuard:
         finally:
             self.record(decision)  # the window's events, before the `rollback` (or `abort`) event
         self.state.lr_scale *= restored.lr_factor
-        self.state.discarded_steps += len(restored.discarded_steps)
+        self.state.count_discarded(restored.discarded_steps)
         self.verified_step = restored.at_step  # verified when it was taken
         self._consecutive = 0
         self.interval.restart()  # the restore is no step's time

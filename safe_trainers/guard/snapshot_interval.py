@@ -149,16 +149,11 @@ class SnapshotInterval:
         events is the largest rank's."""
         return self._spent
 
-    @property
-    def last_taken(self) -> int:
-        """The step of this `train()` call's latest snapshot (0 before its first)."""
-        return self._taken[-1] if self._taken else 0
-
     def snapshot_due(self, step: int) -> bool:
-        """Whether the interval has passed at `step` since the latest snapshot: snapshots are spaced from the one
-        before (which a save or an evaluation may have brought forward), not laid on multiples of the interval, so
-        the first snapshot after the interval grows comes a whole interval after the one before."""
-        return step - self.last_taken >= self.steps
+        """Whether the interval has passed at `step` since this call's latest snapshot (0 before its first): snapshots
+        are spaced from the one before (a save or an evaluation may have brought it forward), not laid on multiples
+        of the interval, so the first snapshot after the interval grows comes a whole interval after the one before."""
+        return step - (self._taken[-1] if self._taken else 0) >= self.steps
 
     def start(self, config: Any, state: Any, say: bool = True, held: Callable[[], int] | None = None) -> str:
         """Training starts: set the bounds (`config`: `TrainingArguments`, `state`: the `TrainerState`) and the
@@ -271,10 +266,12 @@ class SnapshotInterval:
     def resumed(self, step: int, events: EventLog) -> None:
         """A resumed run starts, at its checkpoint's `step`, from the starting interval (the log keeps the earlier
         run's choices): record it (`resumed`, no figures yet), so the log tells the interval in force at every step."""
-        figures = dict.fromkeys(("previous", "snapshot_seconds", "step_seconds", "overhead"))
-        detail = {"interval": self.steps, **figures, "budget": self.budget, "lower": self.lower, "upper": self.upper}
-        events.add(RunEvent(step, "snapshot_interval", [], [], {**detail, "estimated": False, "debt_seconds": 0.0,
-                                                                 "resumed": True}))
+        detail = {
+            "interval": self.steps, "previous": None, "snapshot_seconds": None, "step_seconds": None, "overhead": None,
+            "budget": self.budget, "lower": self.lower, "upper": self.upper, "estimated": False, "debt_seconds": 0.0,
+            "resumed": True,
+        }  # fmt: skip
+        events.add(RunEvent(step, "snapshot_interval", [], [], detail))
 
     def after_snapshot(self, state: Any, source: Any, port: Any, events: EventLog) -> None:
         """A snapshot was just taken (`state`: the `TrainerState`; `source`: the [`RollbackSource`] that took it, for

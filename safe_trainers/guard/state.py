@@ -23,6 +23,7 @@ class GuardState:
     overflow_steps: int = 0
     rollbacks: int = 0
     discarded_steps: int = 0
+    discarded_through: int = 0  # the latest step a rollback threw away (see [`count_discarded`])
     lr_scale: float = 1.0
     learning_rate: float | None = None  # the configured `learning_rate` the backoff applies to
     localized: bool = False
@@ -38,6 +39,12 @@ class GuardState:
             "nan_guard/overflow_steps": self.overflow_steps,
             "nan_guard/spike_steps": self.spike_steps,
         }
+
+    def count_discarded(self, steps: list[int]) -> None:
+        """Count the steps a rollback threw away, each once: `global_step` never rewinds, so a second rollback to the
+        same snapshot lists the first one's steps again, and only those past the latest counted are new."""
+        self.discarded_steps += sum(1 for step in steps if step > self.discarded_through)
+        self.discarded_through = max([self.discarded_through, *steps])
 
     def save(self, checkpoint_dir: str, spikes: SpikeWindow | None = None) -> None:
         """Write the state into `checkpoint_dir`, with the window of `spikes`, the guard's spike detector (a host

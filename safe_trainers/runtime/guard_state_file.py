@@ -18,6 +18,7 @@ GUARD_STATE_TYPES: dict[str, tuple[type, ...]] = {
     "overflow_steps": (int,),
     "rollbacks": (int,),
     "discarded_steps": (int,),
+    "discarded_through": (int,),
     "lr_scale": _NUMBER,
     "learning_rate": (*_NUMBER, type(None)),
     "localized": (bool,),

@@ -206,8 +206,6 @@ def test_a_save_a_later_callback_asks_for_is_a_snapshot(toy_models, tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="nan_guard/discarded_steps counts a step again at each rollback to the same "
-                   "snapshot (NanGuard.restore adds len(discarded_steps)); not fixed here: nan_guard.py is at its size")
 def test_two_rollbacks_to_one_snapshot_count_each_discarded_step_once(toy_models, tmp_path):
     # `global_step` never rewinds and a rollback takes no snapshot, so a second fault right after a rollback restores
     # the same snapshot again: its `discarded_steps` lists the first rollback's steps again (5-7, then 5-8), and the
