@@ -160,7 +160,7 @@ class NanGuard:
         self.refresh_best_fields()
         step, pending, interval = self.port.state.global_step, len(self.flags.pending), self.interval
         interval.estimate(step, self.snapshotter, self.port, self.events)  # before a second snapshot
-        return inspection_due(control, step, self.config, interval.snapshot_due(step), pending, interval.read_steps)
+        return inspection_due(control, step, self.config, interval.ask(step), pending, interval.read_steps)
 
     def judge(self, verify: bool = False, snapshot: bool = False, fresh: bool = False) -> Judged | None:
         """Read the pending flags and judge them (checking the state when a step was bad, or `verify`); `fresh`: do

@@ -129,6 +129,7 @@ class SnapshotInterval:
         self._spent = 0.0  # seconds of snapshot work since training started, allocations and the first included
         self._began = time.perf_counter()  # when training started
         self._taken: deque[int] = deque(maxlen=TAKEN_KEPT)  # this `train()` call's snapshot steps, see [`taken_at`]
+        self._asked = 0  # the latest step a snapshot was due at ([`ask`])
 
     @property
     def adaptive(self) -> bool:
@@ -150,10 +151,18 @@ class SnapshotInterval:
         return self._spent
 
     def snapshot_due(self, step: int) -> bool:
-        """Whether the interval has passed at `step` since this call's latest snapshot (0 before its first): snapshots
-        are spaced from the one before (a save or an evaluation may have brought it forward), not laid on multiples
-        of the interval, so the first snapshot after the interval grows comes a whole interval after the one before."""
-        return step - (self._taken[-1] if self._taken else 0) >= self.steps
+        """Whether the interval has passed at `step` since this call's latest snapshot, or the latest step one was due
+        at (0 before either): snapshots are spaced from the one before (a save or an evaluation may have brought it
+        forward), not laid on multiples of the interval, so the first one after the interval grows comes a whole
+        interval after the one before; one refused at a skipped step is due again a whole interval later."""
+        return step - max(self._taken[-1] if self._taken else 0, self._asked) >= self.steps
+
+    def ask(self, step: int) -> bool:
+        """[`snapshot_due`] for the inspection of `step`, kept when true: that inspection takes the snapshot unless
+        the step was skipped (`NanGuard.settle`), and either way the next is counted from `step`."""
+        due = self.snapshot_due(step)
+        self._asked = step if due else self._asked
+        return due
 
     def start(self, config: Any, state: Any, say: bool = True, held: Callable[[], int] | None = None) -> str:
         """Training starts: set the bounds (`config`: `TrainingArguments`, `state`: the `TrainerState`) and the
@@ -168,6 +177,7 @@ class SnapshotInterval:
         self.decided, self._mark, self._first, self._host = False, None, None, 0.0
         self._spent, self._began = 0.0, time.perf_counter()
         self._taken.clear()
+        self._asked = 0
         bounds = f"{self.lower} to {self.upper} steps (`save_steps`)" if self.upper else f"at least {self.lower} steps"
         if self.upper and self.upper <= self.lower:  # the lower bound wins: the figures cannot move it
             bounds = f"exactly {self.lower} steps (`nan_snapshot_steps` is not below `save_steps`={self.upper})"

@@ -68,11 +68,13 @@ def inspect(trainer: Any, verify: bool = False, snapshot: bool = False, fresh: b
 def unsnapshotted(trainer: Any) -> bool:
     """Whether the state the Trainer is about to save or evaluate has no snapshot of this step: a callback after the
     guard's asked for the save or evaluation, which the guard's inspection did not see. It is then taken with the
-    check (every save and evaluation is a snapshot; not after a skipped step, `NanGuard.settle`). A run whose callbacks
-    all leave the state alone asks for none after the guard's (`read_only.py`)."""
+    check (every save and evaluation is a snapshot; not after a skipped step, `NanGuard.settle`). Not when a rollback
+    at this step put the kept snapshot back (the live state is that snapshot: a copy would only relabel it). A run
+    whose callbacks all leave the state alone asks for none after the guard's (`read_only.py`)."""
     run = trainer.safe_run
     kept = getattr(run.guard.snapshotter, "snapshot", None)
-    return not run.callbacks_read_only and kept is not None and kept.step != trainer.state.global_step
+    step = trainer.state.global_step
+    return not run.callbacks_read_only and kept is not None and step not in (kept.step, kept.restored_at)
 
 
 def carry_out(trainer: Any, decision: Decision) -> None:

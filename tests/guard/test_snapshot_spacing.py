@@ -32,7 +32,7 @@ def snapshots(steps: int, saves: set[int], intervals: dict[int, int], start: int
     for step in range(1, steps + 1):
         interval.steps = intervals.get(step, interval.steps)
         in_force[step] = interval.steps
-        due = inspection_due(control(step in saves), step, CONFIG, interval.snapshot_due(step), 0, start)
+        due = inspection_due(control(step in saves), step, CONFIG, interval.ask(step), 0, start)
         if due is not None and due[1]:
             interval.taken(step, None)
     return interval.taken_at, in_force

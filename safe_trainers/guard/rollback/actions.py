@@ -58,6 +58,7 @@ def restore_last_good(port: GuardPort, source: RollbackSource, lr_backoff: float
     state = port.state
     at_step = state.global_step
     snap = source.restore(state)
+    snap.restored_at = at_step
     best = state.best_model_checkpoint
     if best is not None and not os.path.isdir(best):
         # The kept timeline's best checkpoint was rotated away while a discarded one was "best": no best now.

@@ -36,6 +36,7 @@ class Snapshot:
     placements: dict[tuple[int, str], tuple[torch.device, bool]] = field(default_factory=dict)
     deepspeed_state: Any = None
     ready: Any = None  # a CUDA event recorded after the copies were queued (on their side stream, if any)
+    restored_at: int = -1  # the step at which a rollback last put this state back (the live state is then this one)
 
     @property
     def taken(self) -> bool:
