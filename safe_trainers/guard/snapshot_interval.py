@@ -38,10 +38,10 @@ import torch
 
 from ..runtime.collectives import distributed, max_across_ranks
 from ..runtime.events import EventLog, RunEvent
+from .snapshot_bounds import DEFAULT_STEPS, checkpoint_interval, describe, percent
 
 logger = logging.getLogger("safe_trainers")
 
-DEFAULT_STEPS = 10  # the interval to start with, and the flag-read cadence, when `nan_snapshot_steps` is not set
 HISTORY = 5  # the figures a decision takes the median of
 AIM = 0.5  # the share of the budget the chosen interval aims at (the figures are estimates; the budget is a bound)
 SHRINK = 1.25  # the interval shrinks only when the figures ask for at least this factor fewer steps
@@ -77,31 +77,6 @@ def next_interval(current: int, chosen: int) -> int:
     one only when it is at least [`SHRINK`] times shorter (a longer interval than needed costs less, so small swings
     of the measured figures change nothing)."""
     return chosen if chosen > current or chosen * SHRINK <= current else current
-
-
-def checkpoint_interval(config: Any, state: Any) -> int | None:
-    """The steps between checkpoints (`save_steps`, as the Trainer resolved it into `state.save_steps`) when they are
-    saved every so many steps; else `None`."""
-    if str(getattr(getattr(config, "save_strategy", None), "value", getattr(config, "save_strategy", ""))) != "steps":
-        return None
-    steps = getattr(state, "save_steps", None) or getattr(config, "save_steps", None)
-    return int(steps) if steps and steps >= 1 else None
-
-
-def percent(fraction: float) -> str:
-    return f"{fraction * 100:g}%"
-
-
-def describe(settings: Any, config: Any) -> str:
-    """What the snapshots do, in a few words for the safety report's summary (before training: the bounds as set)."""
-    steps, budget = settings.nan_snapshot_steps, settings.nan_snapshot_budget
-    if budget <= 0:
-        return f"snapshot every {steps or DEFAULT_STEPS} steps"
-    lower, upper = steps or 1, checkpoint_interval(config, None)
-    if upper and upper <= lower:  # the user's lower bound wins (`choose_interval`): nothing left to adapt
-        return f"snapshot every {lower} steps (`nan_snapshot_steps` >= `save_steps`)"
-    bound = f"every {lower}-{upper} steps" if upper else f"every >= {lower} steps"
-    return f"snapshots adapt to <= {percent(budget)} of wall time, {bound}"
 
 
 class SnapshotInterval:
@@ -306,4 +281,6 @@ def agreed(figures: tuple[float, ...], device: Any) -> tuple[float, ...]:
     return tuple(max_across_ranks(torch.tensor(figures, dtype=torch.float64, device=device)).tolist())
 
 
-__all__ = ["AIM", "SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval"]
+__all__ = [
+    "AIM", "DEFAULT_STEPS", "SnapshotInterval", "checkpoint_interval", "choose_interval", "describe", "next_interval",
+]  # fmt: skip

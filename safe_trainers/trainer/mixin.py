@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from ..arguments import SafetyArguments
 from ..configs import config_class
 from ..guard import NanGuard
-from ..guard.snapshot_interval import describe as describe_snapshots
+from ..guard.snapshot_bounds import describe as describe_snapshots
 from ..kinds import get_kind
 from ..restarts.preemption import refuse_jit_checkpoint
 from ..rules.context import TrainerSetup, build_setup

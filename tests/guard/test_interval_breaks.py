@@ -222,13 +222,14 @@ def test_two_rollbacks_to_one_snapshot_count_each_discarded_step_once(toy_models
     assert trainer.nan_guard.state.discarded_steps == len(discarded) == 4
 
 
-@pytest.mark.xfail(strict=True, reason="describe() reads `save_steps` before the Trainer makes a fraction into steps "
-                   "(checkpoint_interval(config, None) is None): not fixed here")
 def test_a_fractional_save_steps_is_reported_as_the_bound_it_is():
     # `save_steps=0.25` saves every quarter of the run, and the run bounds the interval by it (`state.save_steps`,
     # resolved when training starts); the safety report's summary said "every >= 1 steps", no upper bound.
     summary = describe(SafetyArguments(), config(save_strategy="steps", save_steps=0.25))
-    assert "every >= 1 steps" not in summary, summary
+    assert "every >= 1 steps" not in summary and "to `save_steps` (0.25 of the run)" in summary, summary
+    # With `max_steps` set, the bound is known before training, as the Trainer will resolve it (ceil(0.25 x 42)).
+    summary = describe(SafetyArguments(), config(save_strategy="steps", save_steps=0.25, max_steps=42))
+    assert summary.endswith("every 1-11 steps"), summary
 
 
 @pytest.mark.distributed
