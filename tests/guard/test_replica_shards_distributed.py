@@ -70,14 +70,14 @@ def test_rollback_restores_the_whole_state_from_shards(tmp_path, ranks, fault, r
 
 
 def test_a_lost_shard_falls_back_to_the_newest_checkpoint(tmp_path):
-    # Checkpoints at steps 3 and 6, snapshots at 2 and 4; rank 1 loses its shard after step 4 (as a process that
-    # replaced it would have none), and a NaN weight on rank 0 at step 6 needs a rollback: every rank loads
-    # checkpoint-3 instead, and says so.
-    results = launch_ddp(2, tmp_path, "--fault", "weight:6:0", "--drop_shard", "4:1", "--save_steps", "3")
+    # Checkpoints at steps 3 and 6, snapshots at 2, 3 (the save) and 5 (two steps after it); rank 1 loses its shard
+    # after step 5 (as a process that replaced it would have none), and a NaN weight on rank 0 at step 6 needs a
+    # rollback: every rank loads checkpoint-3 instead, and says so.
+    results = launch_ddp(2, tmp_path, "--fault", "weight:6:0", "--drop_shard", "5:1", "--save_steps", "3")
     events = read_events(os.path.join(str(tmp_path / "out"), "run"))
     assert [(e["step"], e["kind"]) for e in events] == [(6, "skip"), (6, "shard_missing"), (6, "rollback")]
     missing, rollback = events[1], events[2]
-    assert missing["ranks"] == [1] and missing["loads"].endswith("checkpoint-3") and missing["snapshot_step"] == 4
+    assert missing["ranks"] == [1] and missing["loads"].endswith("checkpoint-3") and missing["snapshot_step"] == 5
     assert rollback["restored_step"] == 3
     for r in results:
         assert r["outcome"] == "finished" and r["finite"] and r["global_step"] == 8
