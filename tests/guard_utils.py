@@ -127,3 +127,20 @@ def read_json(path: str):
 
     with open(path) as f:
         return json.load(f)
+
+
+def fault_schedules(max_step: int, max_repeat: int, values: tuple[float, ...] = (float("nan"),)):
+    """A hypothesis strategy: 1-3 [`Fault`]s of each kind the injector knows at steps 1..`max_step`, each repeated up to
+    `max_repeat` steps, with one of `values`."""
+    from hypothesis import strategies as st_
+
+    from safe_trainers.testing.faults import Fault
+
+    fault = st_.builds(
+        Fault,
+        step=st_.integers(1, max_step),
+        kind=st_.sampled_from(["loss", "grad", "weight", "update"]),
+        value=st_.sampled_from(values),
+        repeat=st_.integers(1, max_repeat),
+    )
+    return st_.lists(fault, min_size=1, max_size=3)

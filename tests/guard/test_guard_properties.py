@@ -23,29 +23,18 @@ import os
 import shutil
 
 import pytest
-from guard_utils import nonfinite_in_checkpoints, read_json, recording, weights_finite
+from guard_utils import fault_schedules, nonfinite_in_checkpoints, read_json, recording, weights_finite
 from hypothesis import given
 from hypothesis import strategies as st_
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import safe_trainers as st
-from safe_trainers.testing.faults import Fault
 from safe_trainers.guard import read_events
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.trainers import trainer_class
 
 MAX_STEPS = 8
-faults = st_.lists(
-    st_.builds(
-        Fault,
-        step=st_.integers(1, MAX_STEPS),
-        kind=st_.sampled_from(["loss", "grad", "weight", "update"]),
-        value=st_.sampled_from([float("nan"), float("inf")]),
-        repeat=st_.integers(1, 3),
-    ),
-    min_size=1,
-    max_size=3,
-)
+faults = fault_schedules(MAX_STEPS, max_repeat=3, values=(float("nan"), float("inf")))
 intervals = st_.fixed_dictionaries(
     {
         "gradient_accumulation_steps": st_.sampled_from([1, 2]),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from guard_utils import nonfinite_in_checkpoints, weights_finite
+from guard_utils import fault_schedules, nonfinite_in_checkpoints, weights_finite
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
 from test_interval_breaks import how_far_it_could_go, skips_before
@@ -25,19 +25,9 @@ from transformers import TrainerCallback
 import safe_trainers as st
 from safe_trainers.guard import read_events
 from safe_trainers.testing.build import build_trainer
-from safe_trainers.testing.faults import Fault
 
 MAX_STEPS = 14
-faults = st_.lists(
-    st_.builds(
-        Fault,
-        step=st_.integers(1, MAX_STEPS),
-        kind=st_.sampled_from(["loss", "grad", "weight", "update"]),
-        repeat=st_.integers(1, 4),
-    ),
-    min_size=1,
-    max_size=3,
-)
+faults = fault_schedules(MAX_STEPS, max_repeat=4)
 runs = st_.fixed_dictionaries(
     {
         "gradient_accumulation_steps": st_.sampled_from([1, 2]),
