@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from guard_utils import nonfinite_in_checkpoints
@@ -37,20 +38,29 @@ ZERO3 = {
 def launch(launcher: list[str], kind: str, faults: list[str], tmp_path, *extra: str, task="causal_lm") -> list[dict]:
     model = save_toy_model(str(tmp_path / "model"), "qwen2", task=task)
     out = str(tmp_path / "out")
-    cmd = launcher + [WORKER, "--kind", kind, "--model", model, "--out", out, *extra]
-    for fault in faults:
-        cmd += ["--fault", fault]
+    return run_workers(launcher + [WORKER, *worker_args(kind, model, out, faults, *extra)], [out], tmp_path)[0]
+
+
+def worker_args(kind: str, model: str, out: str, faults: list[str], *extra: str) -> list[str]:
+    return ["--kind", kind, "--model", model, "--out", out, *extra] + [a for f in faults for a in ("--fault", f)]
+
+
+def run_workers(cmd: list[str], outs: list[str], cwd) -> list[list[dict]]:
+    """Runs `cmd` (a launcher and the worker) and returns, for each of `outs`, both ranks' results."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
-    finished = all(os.path.exists(os.path.join(out, f"result-rank{rank}.json")) for rank in (0, 1))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(cwd))
+    paths = [[os.path.join(out, f"result-rank{rank}.json") for rank in (0, 1)] for out in outs]
+    finished = all(os.path.exists(path) for pair in paths for path in pair)
     # A rare abort of a gloo rank while the interpreter exits, after all work is done and written (see
     # tests/scripts/test_launch.py): accepted only in that exact form, with both ranks' results on disk.
     exit_race = done.returncode != 0 and EXIT_RACE in done.stderr and finished
     assert done.returncode == 0 or exit_race, (done.stdout + done.stderr)[-4000:]
     results = []
-    for rank in (0, 1):
-        with open(os.path.join(out, f"result-rank{rank}.json")) as f:
-            results.append(json.load(f))
+    for pair in paths:
+        results.append([])
+        for path in pair:
+            with open(path) as f:
+                results[-1].append(json.load(f))
     return results
 
 
@@ -93,31 +103,46 @@ def assert_events(events: list[dict], expected: list[tuple]) -> None:
             assert event["ranks"] == ranks, (event, ranks)
 
 
-@pytest.mark.parametrize(
-    "kind,faults,expected",
-    [
-        # NaN loss on rank 1 only at step 3 (the skip names rank 1), NaN weight on rank 0 only at step 6: every rank
-        # skips step 6 (rank 0's loss may or may not be NaN too), and the rollback names the damaged rank 0.
-        ("dpo", ["loss:3:1", "weight:6:0"], [(3, "skip", [1]), (6, "skip", Within({0})), (6, "rollback", [0])]),
-        ("kto", ["loss:3:1"], [(3, "skip", [1])]),
-        ("grpo", ["loss:3:1"], [(3, "skip", [1])]),
-        # An Inf gradient leaves every loss finite: the skip names no rank.
-        ("reward", ["grad:3:0:inf", "weight:6:1"], [(3, "skip", []), (6, "skip", Within({1})), (6, "rollback", [1])]),
-        ("sft", ["loss:3:1"], [(3, "skip", [1])]),
-        # RLOO verifies the weights before sampling step 6's completions (the state after step 5): a rollback, no skip.
-        ("rloo", ["weight:6:0"], [(5, "rollback", [0])]),
-    ],
-)
-def test_ddp_fault_on_one_rank(tmp_path, kind, faults, expected):
-    extra = ["--lora"] if kind == "reward" else []
-    task = "seq_cls" if kind == "reward" else "causal_lm"
-    results = launch(accelerate_ddp(), kind, faults, tmp_path, *extra, task=task)
+DDP_CASES = [
+    # NaN loss on rank 1 only at step 3 (the skip names rank 1), NaN weight on rank 0 only at step 6: every rank
+    # skips step 6 (rank 0's loss may or may not be NaN too), and the rollback names the damaged rank 0.
+    ("dpo", ["loss:3:1", "weight:6:0"], [(3, "skip", [1]), (6, "skip", Within({0})), (6, "rollback", [0])]),
+    ("kto", ["loss:3:1"], [(3, "skip", [1])]),
+    ("grpo", ["loss:3:1"], [(3, "skip", [1])]),
+    # An Inf gradient leaves every loss finite: the skip names no rank.
+    ("reward", ["grad:3:0:inf", "weight:6:1"], [(3, "skip", []), (6, "skip", Within({1})), (6, "rollback", [1])]),
+    ("sft", ["loss:3:1"], [(3, "skip", [1])]),
+    # RLOO verifies the weights before sampling step 6's completions (the state after step 5): a rollback, no skip.
+    ("rloo", ["weight:6:0"], [(5, "rollback", [0])]),
+]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
+    """Every case of `DDP_CASES` in one `accelerate launch`: the six runs one after another in its two processes (as
+    a script that trains several times does), each in its own output directory. Results by trainer kind."""
+    root = tmp_path_factory.mktemp("ddp-cases")
+    models = {task: save_toy_model(str(root / task), "qwen2", task=task) for task in ("causal_lm", "seq_cls")}
+    jobs = []
+    for kind, faults, _ in DDP_CASES:
+        extra = ["--lora"] if kind == "reward" else []
+        model = models["seq_cls" if kind == "reward" else "causal_lm"]
+        jobs.append(worker_args(kind, model, str(root / kind), faults, *extra))
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    outs = [str(root / kind) for kind, _, _ in DDP_CASES]
+    results = run_workers(accelerate_ddp() + [WORKER, "--jobs", str(root / "jobs.json")], outs, root)
+    return {kind: (result, root / kind) for (kind, _, _), result in zip(DDP_CASES, results)}
+
+
+@pytest.mark.parametrize("kind,faults,expected", DDP_CASES)
+def test_ddp_fault_on_one_rank(ddp_runs, tmp_path, kind, faults, expected):
+    results, out = ddp_runs[kind]
     rollbacks = sum(1 for e in expected if e[1] == "rollback")
     skips = sum(1 for e in expected if e[1] == "skip")
-    events = check_in_sync(results, skips, rollbacks, tmp_path / "out")
+    events = check_in_sync(results, skips, rollbacks, out)
     assert_events(events, expected)
     assert all(r["global_step"] == 8 for r in results)
-    _, markers = drawn_timeline(str(tmp_path / "out" / "run"), str(tmp_path))  # its timeline marks every event
+    _, markers = drawn_timeline(str(out / "run"), str(tmp_path))  # its timeline marks every event
     assert markers == {(step, kind)[::-1] for step, kind, _ in expected}
 
 

@@ -146,8 +146,24 @@ def write_result(out: str, result: dict) -> None:
         json.dump(result, f)
 
 
-def main(argv=None) -> int:
-    ns = parse(argv)
+def main(argv: list[str] | None = None) -> int:
+    """One run, or with `--jobs FILE` (a JSON list of argument lists) several, one after another in these processes
+    and their process group: what a script that trains twice does, and one launch's start-up for several runs."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--jobs"]:
+        with open(argv[1]) as f:
+            jobs = json.load(f)
+    else:
+        jobs = [argv]
+    for job in jobs:
+        trainer = run(parse(job))
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # destroys the process group before the interpreter exits
+    return 0
+
+
+def run(ns: argparse.Namespace):
+    """Trains as `ns` says and writes this rank's `result-rank<N>.json` under `ns.out`; returns the trainer."""
     if ns.deepspeed:
         # DeepSpeed's own communicator must be up before accelerate's state, or DeepSpeed sees a world of 1.
         import deepspeed
@@ -248,9 +264,7 @@ def main(argv=None) -> int:
     if probe is not None:
         result.update(digests=probe.digests, host_bytes=probe.host_bytes, state_bytes=probe.state_bytes)
     write_result(ns.out, result)
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()  # destroys the process group before the interpreter exits
-    return 0
+    return trainer
 
 
 if __name__ == "__main__":
