@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,11 +39,11 @@ ZERO3 = {
 def launch(launcher: list[str], kind: str, faults: list[str], tmp_path, *extra: str, task="causal_lm") -> list[dict]:
     model = save_toy_model(str(tmp_path / "model"), "qwen2", task=task)
     out = str(tmp_path / "out")
-    return run_workers(launcher + [WORKER, *worker_args(kind, model, out, faults, *extra)], [out], tmp_path)[0]
+    return run_workers(launcher + [WORKER, *worker_args(kind, model, faults, *extra), "--out", out], [out], tmp_path)[0]
 
 
-def worker_args(kind: str, model: str, out: str, faults: list[str], *extra: str) -> list[str]:
-    return ["--kind", kind, "--model", model, "--out", out, *extra] + [a for f in faults for a in ("--fault", f)]
+def worker_args(kind: str, model: str, faults: list[str], *extra: str) -> list[str]:
+    return ["--kind", kind, "--model", model, *extra] + [a for f in faults for a in ("--fault", f)]
 
 
 def run_workers(cmd: list[str], outs: list[str], cwd) -> list[list[dict]]:
@@ -117,21 +118,32 @@ DDP_CASES = [
 ]
 
 
+def selected(request, test: Callable, cases: list[tuple]) -> list[tuple]:
+    """Those of `cases` (the parameters of `test`, in order) that this session collected."""
+    items = [item for item in request.session.items if getattr(item, "originalname", None) == test.__name__]
+    chosen = [tuple(item.callspec.params.values()) for item in items]
+    return [case for case in cases if case in chosen]
+
+
+def run_cases(root: Path, launcher: list[str], jobs: dict[str, list[str]]) -> dict[str, tuple[list[dict], Path]]:
+    """`jobs` (by name: the worker's arguments but `--out`) in one launch, one after another in its two processes (as
+    a script that trains several times does), each in its own output directory `root/<name>`: results by name."""
+    (root / "jobs.json").write_text(json.dumps([args + ["--out", str(root / name)] for name, args in jobs.items()]))
+    results = run_workers(launcher + [WORKER, "--jobs", str(root / "jobs.json")], [str(root / n) for n in jobs], root)
+    return {name: (result, root / name) for name, result in zip(jobs, results)}
+
+
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
-    """Every case of `DDP_CASES` in one `accelerate launch`: the six runs one after another in its two processes (as
-    a script that trains several times does), each in its own output directory. Results by trainer kind."""
+def ddp_runs(request, tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
+    """The selected cases of `DDP_CASES`, in one `accelerate launch`."""
     root = tmp_path_factory.mktemp("ddp-cases")
     models = {task: save_toy_model(str(root / task), "qwen2", task=task) for task in ("causal_lm", "seq_cls")}
-    jobs = []
-    for kind, faults, _ in DDP_CASES:
+    jobs = {}
+    for kind, faults, _ in selected(request, test_ddp_fault_on_one_rank, DDP_CASES):
         extra = ["--lora"] if kind == "reward" else []
         model = models["seq_cls" if kind == "reward" else "causal_lm"]
-        jobs.append(worker_args(kind, model, str(root / kind), faults, *extra))
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    outs = [str(root / kind) for kind, _, _ in DDP_CASES]
-    results = run_workers(accelerate_ddp() + [WORKER, "--jobs", str(root / "jobs.json")], outs, root)
-    return {kind: (result, root / kind) for (kind, _, _), result in zip(DDP_CASES, results)}
+        jobs[kind] = worker_args(kind, model, faults, *extra)
+    return run_cases(root, accelerate_ddp(), jobs)
 
 
 @pytest.mark.parametrize("kind,faults,expected", DDP_CASES)
@@ -146,17 +158,29 @@ def test_ddp_fault_on_one_rank(ddp_runs, tmp_path, kind, faults, expected):
     assert markers == {(step, kind)[::-1] for step, kind, _ in expected}
 
 
-@pytest.mark.parametrize(
-    "kind,stage,damaged", [("dpo", 3, [0]), ("dpo", 2, [0, 1]), ("sft", 3, [0]), ("rloo", 3, [0])]
-)
-def test_deepspeed_zero_fault_on_one_rank(tmp_path, kind, stage, damaged):
-    config = tmp_path / f"zero{stage}.json"
-    # Persistence threshold 0: ZeRO-3 partitions even this tiny model's weights instead of keeping them whole.
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
-    config.write_text(json.dumps({**ZERO3, "zero_optimization": zero}))
-    faults = ["loss:3:1", "weight:6:0"]  # the weight fault hits rank 0's own fp32 master shard
-    results = launch(deepspeed_launcher(), kind, faults, tmp_path, "--deepspeed", str(config))
-    events = check_in_sync(results, 1, 1, tmp_path / "out")
+ZERO_CASES = [("dpo", 3, [0]), ("dpo", 2, [0, 1]), ("sft", 3, [0]), ("rloo", 3, [0])]
+
+
+@pytest.fixture(scope="module")
+def zero_runs(request, tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
+    """The selected cases of `ZERO_CASES`, in one `deepspeed` launch, each with its stage's configuration."""
+    root = tmp_path_factory.mktemp("zero-cases")
+    model = save_toy_model(str(root / "model"), "qwen2")
+    jobs = {}
+    for kind, stage, _ in selected(request, test_deepspeed_zero_fault_on_one_rank, ZERO_CASES):
+        config = root / f"zero{stage}.json"
+        # Persistence threshold 0: ZeRO-3 partitions even this tiny model's weights instead of keeping them whole.
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+        config.write_text(json.dumps({**ZERO3, "zero_optimization": zero}))
+        # The weight fault hits rank 0's own fp32 master shard.
+        jobs[f"{kind}-{stage}"] = worker_args(kind, model, ["loss:3:1", "weight:6:0"], "--deepspeed", str(config))
+    return run_cases(root, deepspeed_launcher(), jobs)
+
+
+@pytest.mark.parametrize("kind,stage,damaged", ZERO_CASES)
+def test_deepspeed_zero_fault_on_one_rank(zero_runs, kind, stage, damaged):
+    results, out = zero_runs[f"{kind}-{stage}"]
+    events = check_in_sync(results, 1, 1, out)
     # RLOO verifies the weights before sampling step 6's completions, so its rollback is recorded at step 5.
     rollback_step = 5 if kind == "rloo" else 6
     assert [(e["step"], e["kind"]) for e in events] == [(3, "skip"), (rollback_step, "rollback")]

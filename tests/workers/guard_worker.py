@@ -150,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     """One run, or with `--jobs FILE` (a JSON list of argument lists) several, one after another in these processes
     and their process group: what a script that trains twice does, and one launch's start-up for several runs."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--jobs"]:
-        with open(argv[1]) as f:
-            jobs = json.load(f)
-    else:
-        jobs = [argv]
+    jobs = [argv]
+    if "--jobs" in argv:
+        at = argv.index("--jobs")
+        with open(argv[at + 1]) as f:
+            jobs = [job + argv[:at] + argv[at + 2 :] for job in json.load(f)]  # the launcher's own (`--local_rank`)
     for job in jobs:
         trainer = run(parse(job))
     trainer.accelerator.wait_for_everyone()
