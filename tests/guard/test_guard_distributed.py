@@ -46,11 +46,11 @@ def worker_args(kind: str, model: str, faults: list[str], *extra: str) -> list[s
     return ["--kind", kind, "--model", model, *extra] + [a for f in faults for a in ("--fault", f)]
 
 
-def run_workers(cmd: list[str], outs: list[str], cwd) -> list[list[dict]]:
-    """Runs `cmd` (a launcher and the worker) and returns, for each of `outs`, both ranks' results."""
+def run_workers(cmd: list[str], outs: list[str], cwd, ranks: int = 2) -> list[list[dict]]:
+    """Runs `cmd` (a launcher and the worker) and returns, for each of `outs`, every rank's results."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(cwd))
-    paths = [[os.path.join(out, f"result-rank{rank}.json") for rank in (0, 1)] for out in outs]
+    paths = [[os.path.join(out, f"result-rank{rank}.json") for rank in range(ranks)] for out in outs]
     finished = all(os.path.exists(path) for pair in paths for path in pair)
     # A rare abort of a gloo rank while the interpreter exits, after all work is done and written (see
     # tests/scripts/test_launch.py): accepted only in that exact form, with both ranks' results on disk.
@@ -65,10 +65,11 @@ def run_workers(cmd: list[str], outs: list[str], cwd) -> list[list[dict]]:
     return results
 
 
-def accelerate_ddp() -> list[str]:
+def accelerate_ddp(processes: int = 2) -> list[str]:
     return [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
     ]  # fmt: skip
 
 
@@ -125,16 +126,18 @@ def selected(request, test: Callable, cases: list[tuple]) -> list[tuple]:
     return [case for case in cases if case in chosen]
 
 
-def run_cases(root: Path, launcher: list[str], jobs: dict[str, list[str]]) -> dict[str, tuple[list[dict], Path]]:
-    """`jobs` (by name: the worker's arguments but `--out`) in one launch, one after another in its two processes (as
-    a script that trains several times does), each in its own output directory `root/<name>`: results by name."""
+def run_cases(root: Path, launcher: list[str], jobs: dict[str, list[str]], ranks: int = 2) -> dict[str, tuple]:
+    """`jobs` (by name: the worker's arguments but `--out`) in one launch of `ranks` processes, one after another (as
+    a script that trains several times does), each in its own output directory `root/<name>`: by name, every rank's
+    results and that directory."""
     (root / "jobs.json").write_text(json.dumps([args + ["--out", str(root / name)] for name, args in jobs.items()]))
-    results = run_workers(launcher + [WORKER, "--jobs", str(root / "jobs.json")], [str(root / n) for n in jobs], root)
+    command = launcher + [WORKER, "--jobs", str(root / "jobs.json")]
+    results = run_workers(command, [str(root / name) for name in jobs], root, ranks)
     return {name: (result, root / name) for name, result in zip(jobs, results)}
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(request, tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
+def ddp_runs(request, tmp_path_factory) -> dict[str, tuple]:
     """The selected cases of `DDP_CASES`, in one `accelerate launch`."""
     root = tmp_path_factory.mktemp("ddp-cases")
     models = {task: save_toy_model(str(root / task), "qwen2", task=task) for task in ("causal_lm", "seq_cls")}
@@ -162,7 +165,7 @@ ZERO_CASES = [("dpo", 3, [0]), ("dpo", 2, [0, 1]), ("sft", 3, [0]), ("rloo", 3, 
 
 
 @pytest.fixture(scope="module")
-def zero_runs(request, tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
+def zero_runs(request, tmp_path_factory) -> dict[str, tuple]:
     """The selected cases of `ZERO_CASES`, in one `deepspeed` launch, each with its stage's configuration."""
     root = tmp_path_factory.mktemp("zero-cases")
     model = save_toy_model(str(root / "model"), "qwen2")
