@@ -7,10 +7,15 @@ no synchronisation per step), on a Qwen2-style model built from a config with ra
 layers: 0.57B parameters), bf16 mixed precision and the default fused AdamW. Prints both ratios, the check + snapshot
 and rollback times, the host memory the snapshot holds (all of it pinned) and the device memory the guard adds.
 
+By default a snapshot every 10 steps, fixed (`--snapshot-steps 10 --snapshot-budget 0`: issue 30's figure, the
+copies' overlap at a known cadence), 40 steps a run; `--snapshot-steps 0 --snapshot-budget 0.01` measures the guard's
+defaults instead (the interval adapts, bounded by the checkpoint at the last step).
+
 On one H100 (before issue 30's overlap and adaptive interval) a stock step took 180.9 ms and one check + snapshot
 156.4 ms every 10 steps: about +8.6% of the run's wall time, which the per-step median (0.973, 0.991) left out.
 
     python bench/gpu_overhead.py                     # needs a CUDA GPU
+    python bench/gpu_overhead.py --snapshot-steps 0 --snapshot-budget 0.01
     python bench/gpu_overhead.py --hidden 2048 --layers 24 --optims adamw_torch_fused,adamw_torch
 """
 
@@ -26,7 +31,8 @@ from workload import parameter_count
 
 MIN_PARAMETERS = 500_000_000
 DEFAULTS = dict(
-    workloads="dpo", hidden=1536, layers=16, seq=512, batch=8, steps=20, rounds=4, optims="adamw_torch_fused"
+    workloads="dpo", hidden=1536, layers=16, seq=512, batch=8, steps=40, rounds=4, optims="adamw_torch_fused",
+    snapshot_steps=10, snapshot_budget=0.0,
 )
 
 

@@ -92,6 +92,10 @@ def parse(argv=None, **defaults) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--spike-factor", type=float, default=None, help="`nan_spike_factor` of the guarded runs")
+    parser.add_argument(
+        "--snapshot-budget", type=float, default=None,
+        help="`nan_snapshot_budget` of the guarded runs (default: the guard's, 0.01; 0: every --snapshot-steps)",
+    )  # fmt: skip
     parser.set_defaults(**defaults)
     ns = parser.parse_args(argv)
     ns.save_steps = ns.steps if ns.save_steps is None else ns.save_steps
@@ -142,13 +146,15 @@ def measure(ns, optim: str, root: str, model_dir: str, data: Dataset) -> Measure
     peak_memory = {"stock": [], "safe": []}
     snapshot_times, restore_times = [], []
     seen: dict = {}
-    spikes = {} if ns.spike_factor is None else {"nan_spike_factor": ns.spike_factor}
+    settings = {} if ns.spike_factor is None else {"nan_spike_factor": ns.spike_factor}  # the guarded runs' own
+    if ns.snapshot_budget is not None:
+        settings["nan_snapshot_budget"] = ns.snapshot_budget
 
     def run(kind: str, round_index: int) -> tuple[float, list[float]]:
         out = os.path.join(root, f"{ns.workload}-{optim}-{kind}{round_index}")
         trainer = make_trainer(
             kind, model_dir, out, data, ns.steps, ns.batch, ns.snapshot_steps, optim,
-            logging_steps=ns.logging_steps, save_steps=ns.save_steps, **spikes,
+            logging_steps=ns.logging_steps, save_steps=ns.save_steps, **settings,
         )  # fmt: skip
         timer = StepTimer(CLOCKS[ns.clock])
         trainer.add_callback(timer)

@@ -4,6 +4,9 @@ Every test in this directory needs a CUDA GPU and is skipped without one (they a
 
     python -m pytest tests/gpu -q
 
+Run them alone, as above: the lock below keeps them one at a time, but in a whole-suite run on a GPU machine the other
+worker's trainer tests (which take the GPU when there is one) could share the device with a timing test.
+
 What the stock TRL runs did where their failure is not deterministic is recorded (`record_property`, and printed:
 add `-rP` to see it), not asserted; the safe side is asserted strictly.
 """

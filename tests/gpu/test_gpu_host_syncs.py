@@ -49,9 +49,8 @@ def hot_path_trainer(toy_models, tmp_path, **overrides):
         rows=2 * MAX_STEPS,
         max_steps=MAX_STEPS,
         logging_steps=MAX_STEPS + 1,
-        nan_snapshot_steps=MAX_STEPS + 1,
         faults=[Fault(step=FAULT_STEP, kind="loss")],
-        **{"bf16": True, **overrides},
+        **{"bf16": True, "nan_snapshot_steps": MAX_STEPS + 1, **overrides},
     )
 
 
