@@ -125,5 +125,6 @@ def test_the_lanes_import_in_the_environment_pip_install_resolves_and_beside_eac
     lane = (ROOT / ".ci" / "lane").read_text()
     core_install = 'pip install -q -c "constraints/$lane.txt" -e .\nimport_every_public_name'
     assert core_install in lane and lane.index(core_install) < lane.index('-e ".[deepspeed,test]"\npython -m pytest')
-    assert 'for pin in $(declared_floors torch); do' in lane and 'pip install -q "$pin" -e .' in lane
+    assert 'for pin in $(declared_floors torch); do' in lane and 'pip install -q "$pin" "${back[@]}" safe-trainers' in lane
+    assert lane.rstrip().endswith('[ -z "$(lane_versions_changed)" ]\nfi')  # the lane's set is back at the end
     assert "requests" in {canonicalize_name(r.name) for r in declared_requirements(groups=())}

@@ -9,6 +9,7 @@ makes the rollback load the newest verified checkpoint instead, with a `shard_mi
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 

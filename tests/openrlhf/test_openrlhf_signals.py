@@ -35,6 +35,12 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def default_sigint() -> None:
+    """SIGINT's default action in the shim and so in what it starts: a shell starts a background job (`pytest &`) with
+    SIGINT ignored, which its children inherit, and a launcher that ignores SIGINT outlives the signal it is sent."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -54,6 +60,7 @@ def test_signal_to_the_shim_reaches_the_launcher_and_its_workers(tmp_path, signu
         [sys.executable, "-m", "safe_trainers.cli.main", "openrlhf", "--",
          sys.executable, str(script), "--pretrain", "Qwen/Qwen2-0.5B", "--max_norm", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,  # no terminal signals from pytest
+        preexec_fn=default_sigint,
     )  # fmt: skip
     launcher = worker = None
     try:
