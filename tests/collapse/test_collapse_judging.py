@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
+from host_reads import HostReads  # tests/ is on sys.path
 
 from safe_trainers.arguments import SafetyArguments
 from safe_trainers.collapse import SIGNAL_NAMES, SIGNALS
@@ -99,22 +99,6 @@ def test_the_first_half_window_is_the_level_not_judged():
     watch, reports = watch_of("entropy")
     feed(watch, "entropy", [3.0] * 2 + [0.1] * 30)
     assert reports == []
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the calls that bring a tensor's value to the host."""
-
-    READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-                       torch.Tensor.__format__, torch.Tensor.cpu})  # fmt: skip
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_step_values_are_the_new_ones_across_trls_clear_and_tensors_are_never_read():

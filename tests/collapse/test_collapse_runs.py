@@ -5,7 +5,7 @@ no tensor (no host sync added to the step)."""
 from __future__ import annotations
 
 import pytest
-from test_collapse_judging import HostReads  # tests/collapse is on sys.path
+from host_reads import HostReads  # tests/ is on sys.path
 
 from safe_trainers.collapse import SIGNAL_NAMES
 from safe_trainers.collapse.watch import CollapseCallback

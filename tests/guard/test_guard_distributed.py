@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from guard_utils import nonfinite_in_checkpoints
+from guard_utils import nonfinite_in_checkpoints, read_json
 from net_utils import EXIT_RACE, free_port
 from timeline_utils import drawn_timeline
 
@@ -51,18 +51,12 @@ def run_workers(cmd: list[str], outs: list[str], cwd, ranks: int = 2) -> list[li
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(cwd))
     paths = [[os.path.join(out, f"result-rank{rank}.json") for rank in range(ranks)] for out in outs]
-    finished = all(os.path.exists(path) for pair in paths for path in pair)
+    finished = all(os.path.exists(path) for ranks_paths in paths for path in ranks_paths)
     # A rare abort of a gloo rank while the interpreter exits, after all work is done and written (see
     # tests/scripts/test_launch.py): accepted only in that exact form, with both ranks' results on disk.
     exit_race = done.returncode != 0 and EXIT_RACE in done.stderr and finished
     assert done.returncode == 0 or exit_race, (done.stdout + done.stderr)[-4000:]
-    results = []
-    for pair in paths:
-        results.append([])
-        for path in pair:
-            with open(path) as f:
-                results[-1].append(json.load(f))
-    return results
+    return [[read_json(path) for path in ranks_paths] for ranks_paths in paths]
 
 
 def accelerate_ddp(processes: int = 2) -> list[str]:

@@ -11,39 +11,19 @@ CUDA synchronisations.
 
 from __future__ import annotations
 
-import torch
-from torch.overrides import TorchFunctionMode
+from host_reads import HostReads  # tests/ is on sys.path
 
 from safe_trainers.testing.build import build_trainer
 from safe_trainers.testing.faults import Fault
 
 
-# The calls that bring a tensor's value to the host (`.item()`, `bool(t)`, `.tolist()`, `.cpu()`, `torch.equal`...).
-HOST_READS = frozenset({
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-    torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu, torch.equal, torch.Tensor.equal,
-})  # fmt: skip
 HOT_PATH = ("record_inputs", "observe_loss", "end_of_step", "apply_skip", "due")
 MAX_STEPS = 24
 FAULT_STEP = 3
 
 
-class HostReads(TorchFunctionMode):
-    """Records each call of [`HOST_READS`] made inside it, on any tensor (a move onto the host, `.to("cpu")`, cannot
-    be told from a move onto the training device here: on a GPU, `tests/gpu/test_gpu_host_syncs.py` sees it)."""
-
-    def __init__(self, reads: list[str]):
-        super().__init__()
-        self.reads = reads
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def watch(guard, names: tuple[str, ...]) -> dict[str, list[str]]:
-    """Run each method `names` of `guard` inside a [`HostReads`]: the reads by method."""
+    """Run each method `names` of `guard` inside a [`HostReads`] (the CPU sync lint): the reads by method."""
     reads: dict[str, list[str]] = {name: [] for name in names}
 
     def watched(name, method):

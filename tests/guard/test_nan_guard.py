@@ -10,35 +10,14 @@ import math
 
 import pytest
 import torch
-from loop_utils import LEARNING_RATE, Loop, optimizer_state, same, trainable  # tests/ is on sys.path
-from torch.overrides import TorchFunctionMode
+from host_reads import HostReads  # tests/ is on sys.path
+from loop_utils import LEARNING_RATE, Loop, optimizer_state, same, trainable
 from transformers import TrainerControl
 
 from safe_trainers.guard.rollback.memory import HostSnapshot
 from safe_trainers.guard.state import GuardState
 from safe_trainers.guard.step.skip import route_for
 from safe_trainers.runtime.events import read_events
-
-# The calls that bring a tensor's value to the host.
-HOST_READS = frozenset({
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-    torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu,
-})  # fmt: skip
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the calls of [`HOST_READS`] made inside it (`.item()`, `bool(t)`, `.tolist()`, `.cpu()`...), on any
-    tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
 
 # ---------------------------------------------------------------------------------------------------- start
 def test_begin_binds_to_the_optimizer_and_snapshots_the_starting_state(tmp_path):
